@@ -1,0 +1,1 @@
+"""Optional backends; each imports its heavy dependency only when constructed."""

@@ -1,0 +1,93 @@
+"""Validation and id bookkeeping shared by the bundled VectorIndex backends."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+import numpy as np
+from numpy.typing import NDArray
+
+from raptor_core.exceptions import InvalidInputError, InvalidParameterError
+
+__all__ = ["RestrictCache", "check_add", "check_k", "check_query"]
+
+
+def check_k(k: object) -> int:
+    """Return ``k`` if it is a positive integer, else raise InvalidParameterError."""
+    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+        msg = f"k must be a positive integer, got {k!r}"
+        raise InvalidParameterError(msg)
+    return int(k)
+
+
+def check_add(
+    ids: Sequence[str], vectors: object, dim: int | None, known: Mapping[str, int]
+) -> tuple[list[str], NDArray[np.float32]]:
+    """Validate an ``add`` call; return the ids and the unit-normalised ``(n, d)`` float32 rows."""
+    id_list = [str(i) for i in ids]
+    arr = np.asarray(vectors, dtype=np.float32)
+    if arr.ndim == 1 and arr.size == 0:
+        arr = arr.reshape(0, dim or 0)
+    if arr.ndim != 2 or arr.shape[0] != len(id_list):
+        msg = f"add() needs one vector per id: got {len(id_list)} ids, vectors {arr.shape}"
+        raise InvalidInputError(msg)
+    if dim is not None and arr.shape[0] and arr.shape[1] != dim:
+        msg = f"vectors have dimension {arr.shape[1]} but the index holds dimension {dim}"
+        raise InvalidInputError(msg)
+    if len(set(id_list)) != len(id_list):
+        msg = "add() got the same id twice in one call"
+        raise InvalidInputError(msg)
+    clash = [i for i in id_list if i in known]
+    if clash:
+        msg = f"ids already in the index: {clash[:5]}"
+        raise InvalidInputError(msg)
+    if not np.all(np.isfinite(arr)):
+        msg = "vectors contain NaN or infinite values"
+        raise InvalidInputError(msg)
+    norms = np.linalg.norm(arr, axis=1, keepdims=True)
+    if np.any(norms == 0.0):
+        msg = "vectors contain an all-zero row; cosine similarity is undefined for it"
+        raise InvalidInputError(msg)
+    return id_list, np.ascontiguousarray(arr / norms, dtype=np.float32)
+
+
+def check_query(query: object, dim: int) -> NDArray[np.float32]:
+    """Return the query as a unit float32 ``(d,)`` vector or raise InvalidInputError."""
+    q = np.asarray(query, dtype=np.float32).reshape(-1)
+    if q.shape[0] != dim:
+        msg = f"query has dimension {q.shape[0]} but the index holds dimension {dim}"
+        raise InvalidInputError(msg)
+    norm = float(np.linalg.norm(q))
+    if not np.isfinite(norm) or norm == 0.0:
+        msg = "query vector is all zeros or not finite"
+        raise InvalidInputError(msg)
+    return q / norm
+
+
+class RestrictCache:
+    """Translates a ``restrict_to`` collection of ids into sorted positions, cached by identity.
+
+    Retrievers pass the same frozenset object on every query, so the O(len) translation
+    happens once; a different object (or a grown index) recomputes it.  Only immutable
+    collections (frozenset, tuple) are cached: a set may change between calls.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int] | None = None
+        self._ref: Collection[str] | None = None
+        self._positions: NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+
+    def positions(
+        self, restrict_to: Collection[str], known: Mapping[str, int]
+    ) -> NDArray[np.int64]:
+        """Sorted positions of the known ids of ``restrict_to`` (unknown ids are ignored)."""
+        key = (id(restrict_to), len(known))
+        if self._ref is restrict_to and self._key == key:
+            return self._positions
+        found = [known[i] for i in restrict_to if i in known]
+        positions = np.unique(np.asarray(found, dtype=np.int64))
+        if not isinstance(restrict_to, frozenset | tuple):
+            return positions
+        # Keep a reference so id() cannot be reused by another object while cached.
+        self._ref, self._key, self._positions = restrict_to, key, positions
+        return positions

@@ -1,0 +1,891 @@
+"""OpenAI and OpenAI-compatible services (vLLM, Ollama, llama.cpp, LiteLLM, …).
+
+Three thin classes over the official ``openai`` client:
+
+* :class:`OpenAIChatLLM`: an :class:`~raptor_core.types.LLM` (and ``AsyncLLM``) over
+  ``/chat/completions``;
+* :class:`OpenAISummarizer`: the paper's summarisation prompt sent through that LLM;
+* :class:`OpenAIEmbedder`: an :class:`~raptor_core.types.Embedder` (and ``AsyncEmbedder``)
+  over ``/embeddings``, ``batch_size`` texts per request.
+
+Retries are done here, not by the client (its ``max_retries`` is 0), because a build needs
+more than it offers: ``Retry-After`` honoured to the letter, empty completions retried,
+jittered exponential backoff, and typed errors that say what to fix.  A build of hundreds of
+clusters meets a few 429s and 5xx on any hosted service; each is retried, and only an error
+that retrying cannot fix (a bad key, an unknown model) stops the build at once.
+
+The API key comes from ``api_key=`` or the ``OPENAI_API_KEY`` environment variable.  It is
+never recorded in a tree, logged, or put in an error message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from raptor_core._imports import require
+from raptor_core.exceptions import (
+    EmbeddingError,
+    InvalidInputError,
+    InvalidParameterError,
+    LLMAuthenticationError,
+    LLMError,
+    LLMRequestError,
+    LLMTimeoutError,
+    RaptorError,
+)
+from raptor_core.summarizers import LLMSummarizer
+from raptor_core.types import DEFAULT_SUMMARY_PROMPT
+
+__all__ = [
+    "DEFAULT_CHAT_MODEL",
+    "DEFAULT_EMBEDDING_MODEL",
+    "OpenAIChatLLM",
+    "OpenAIEmbedder",
+    "OpenAISummarizer",
+    "Usage",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHAT_MODEL = "gpt-4o-mini"
+DEFAULT_EMBEDDING_MODEL = "text-embedding-3-small"
+_DEFAULT_BASE_URL = "https://api.openai.com/v1"
+#: The reference implementation's system message (``GPT3TurboSummarizationModel``).
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+# A server asking for a longer pause than this is down or out of quota, not busy.
+_MAX_RETRY_AFTER = 300.0
+_RETRYABLE_STATUS = frozenset({408, 409, 429})
+_TRUNCATION_MODES = ("retry", "keep", "error")
+
+T = TypeVar("T")
+
+
+class Usage:
+    """Thread-safe counters of what a backend spent; :meth:`snapshot` gives a plain dict.
+
+    Counters:
+        requests: HTTP requests sent, retries included.
+        calls: requests that returned a usable answer.
+        prompt_tokens, completion_tokens: as reported by the server's ``usage`` field
+            (billed tokens, including those of answers that were retried).
+        retries: requests that failed and were retried.
+        truncated: completions cut at ``max_tokens`` that were kept.
+
+    The builder snapshots ``usage`` before and after each layer to report per-layer cost.
+    """
+
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "requests",
+        "calls",
+        "prompt_tokens",
+        "completion_tokens",
+        "retries",
+        "truncated",
+    )
+
+    def __init__(self, fields: Sequence[str] = FIELDS) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(fields, 0)
+
+    def add(self, **counts: int) -> None:
+        """Add to the named counters."""
+        with self._lock:
+            for name, value in counts.items():
+                self._counts[name] = self._counts.get(name, 0) + int(value)
+
+    def snapshot(self) -> dict[str, int]:
+        """A consistent copy of the counters."""
+        with self._lock:
+            return dict(self._counts)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in self.snapshot().items())
+        return f"Usage({inner})"
+
+    def __getstate__(self) -> dict[str, int]:
+        return self.snapshot()
+
+    def __setstate__(self, state: Mapping[str, int]) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict(state)
+
+
+class _EmptyAnswer(Exception):
+    """The service answered, but with nothing usable (retried like a transient failure)."""
+
+    def __init__(self, what: str, fix: str) -> None:
+        super().__init__(what)
+        self.fix = fix
+
+
+class _OpenAIService:
+    """Connection settings, clients and the retry loop shared by the chat and embedding classes."""
+
+    _kind = "OpenAI service"
+    _usage_fields: ClassVar[tuple[str, ...]] = Usage.FIELDS
+    #: Parameters that change how a call is made, not what it returns (left out of cache keys).
+    cache_ignore: ClassVar[frozenset[str]] = frozenset(
+        {"base_url", "timeout", "max_retries", "backoff", "max_backoff", "max_concurrency"}
+    )
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        base_url: str | None,
+        api_key: str | None,
+        timeout: float,
+        max_retries: int,
+        backoff: float,
+        max_backoff: float,
+    ) -> None:
+        self.model = model
+        self.base_url = base_url
+        self._api_key = api_key  # private: never in get_params(), repr() or a tree
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.usage = Usage(self._usage_fields)
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._aclients: dict[int, Any] = {}
+
+    # -- pickling / copying: clients and locks are rebuilt, the key travels -----------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("_lock", "_client", "_aclients"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._client = None
+        self._aclients = {}
+
+    def __repr__(self) -> str:
+        where = f", base_url={self.base_url!r}" if self.base_url else ""
+        return f"{type(self).__name__}(model={self.model!r}{where})"
+
+    # -- settings ------------------------------------------------------------------------------
+    @property
+    def endpoint(self) -> str:
+        """The base URL requests go to (``base_url``, else ``OPENAI_BASE_URL``, else OpenAI)."""
+        return self.base_url or os.environ.get("OPENAI_BASE_URL") or _DEFAULT_BASE_URL
+
+    def _where(self) -> str:
+        return f"{self._kind} (model {self.model!r} at {self.endpoint})"
+
+    def _validate(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            msg = f"{type(self).__name__}: model must be a non-empty string, got {self.model!r}"
+            raise InvalidParameterError(msg)
+        for name in ("timeout", "backoff", "max_backoff"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                msg = f"{type(self).__name__}: {name} must be a positive number, got {value!r}"
+                raise InvalidParameterError(msg)
+        retries = self.max_retries
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            msg = f"{type(self).__name__}: max_retries must be an integer >= 0, got {retries!r}"
+            raise InvalidParameterError(msg)
+
+    def check_settings(self) -> None:
+        """Validate the parameters and that an API key is available, without any request.
+
+        Raises:
+            InvalidParameterError: a parameter is out of range.
+            LLMAuthenticationError: no key is set and no self-hosted ``base_url`` either.
+        """
+        self._validate()
+        self._key()
+
+    def _key(self) -> str:
+        key = self._api_key or os.environ.get("OPENAI_API_KEY")
+        if key:
+            return key
+        if self.base_url or os.environ.get("OPENAI_BASE_URL"):
+            # Self-hosted servers (vLLM, Ollama, llama.cpp) usually take any key.
+            return "not-needed"
+        msg = (
+            f"no API key for {self._where()}: set the OPENAI_API_KEY environment variable or "
+            "pass api_key=...; for a self-hosted server without authentication pass base_url=..."
+        )
+        raise LLMAuthenticationError(msg)
+
+    def _client_kwargs(self) -> dict[str, Any]:
+        return {
+            "api_key": self._key(),
+            "base_url": self.endpoint,
+            "timeout": float(self.timeout),
+            "max_retries": 0,  # retries are ours: see the module docstring
+        }
+
+    def _sync_client(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                self._validate()
+                openai = require("openai", extra="openai")
+                self._client = openai.OpenAI(**self._client_kwargs())
+            return self._client
+
+    def _async_client(self) -> Any:
+        # An httpx async pool belongs to one event loop: keep one client per running loop.
+        loop_id = id(asyncio.get_running_loop())
+        with self._lock:
+            client = self._aclients.get(loop_id)
+            if client is None:
+                self._validate()
+                openai = require("openai", extra="openai")
+                client = openai.AsyncOpenAI(**self._client_kwargs())
+                self._aclients = {loop_id: client}
+            return client
+
+    def close(self) -> None:
+        """Close the synchronous HTTP client (a new one is made on the next call)."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    # -- retries -------------------------------------------------------------------------------
+    def _scrub(self, text: str) -> str:
+        key = self._api_key or os.environ.get("OPENAI_API_KEY")
+        if key and len(key) >= 4:
+            text = text.replace(key, "***")
+        return text
+
+    def _delay(self, attempt: int, retry_after: float | None) -> float:
+        if retry_after is not None:
+            # Honour the server's wait, never less; a little spread avoids a thundering herd
+            # of all the requests it turned away at once.
+            return retry_after * (1.0 + 0.1 * random.random())
+        # Exponential backoff with "equal jitter": between half and all of the step.
+        step = min(self.max_backoff, self.backoff * 2.0**attempt)
+        return step * (0.5 + 0.5 * random.random())
+
+    def _decide(self, exc: BaseException, attempt: int) -> float:
+        """Return how long to wait before retrying ``exc``, or raise the typed error."""
+        openai = require("openai", extra="openai")
+        where = self._where()
+        attempts = attempt + 1
+        retry_after: float | None = None
+        if isinstance(exc, _EmptyAnswer):
+            reason = str(exc)
+            final: RaptorError = LLMError(
+                f"{where} returned {reason} on all {attempts} attempts: {exc.fix}"
+            )
+        elif isinstance(exc, openai.APITimeoutError):
+            reason = f"no answer within {self.timeout}s"
+            final = LLMTimeoutError(
+                f"{where} did not answer within {self.timeout}s on any of {attempts} attempts: "
+                "raise timeout= (--timeout), lower max_concurrency, or check the server's load"
+            )
+        elif isinstance(exc, openai.APIConnectionError):
+            cause = exc.__cause__ or exc
+            reason = f"connection failed ({type(cause).__name__}: {self._scrub(str(cause))})"
+            final = LLMError(
+                f"could not reach {where} in {attempts} attempts: check that the server is "
+                "running and that base_url (OPENAI_BASE_URL) is right"
+            )
+        elif isinstance(exc, openai.APIStatusError):
+            status = int(exc.status_code)
+            detail = self._scrub(_server_message(exc))
+            retry_after = _retry_after(exc.response.headers)
+            if status == 429 and _error_code(exc) == "insufficient_quota":
+                msg = (
+                    f"{where}: the account is out of quota (HTTP 429 insufficient_quota): "
+                    "check the plan and billing"
+                )
+                raise LLMAuthenticationError(msg) from None
+            if status in {401, 403}:
+                raise self._auth_error(status) from None
+            if status not in _RETRYABLE_STATUS and status < 500:
+                raise self._request_error(status, detail) from None
+            reason = f"HTTP {status}" + (f" ({detail})" if detail else "")
+            if retry_after is not None and retry_after > _MAX_RETRY_AFTER:
+                msg = (
+                    f"{where} asks to wait {retry_after:.0f}s before retrying (HTTP {status}): "
+                    "try again later or lower max_concurrency"
+                )
+                raise LLMError(msg) from None
+            final = LLMError(
+                f"{where} failed with {reason} on all {attempts} attempts: "
+                + (
+                    "lower max_concurrency or raise max_retries"
+                    if status == 429
+                    else "try again later"
+                )
+            )
+        else:
+            raise exc
+        if attempt >= self.max_retries:
+            raise final from (
+                exc if isinstance(exc, _EmptyAnswer) or not self._leaks(exc) else None
+            )
+        delay = self._delay(attempt, retry_after)
+        self.usage.add(retries=1)
+        logger.warning(
+            "%s: %s; retry %d/%d in %.2fs", where, reason, attempt + 1, self.max_retries, delay
+        )
+        return delay
+
+    def _leaks(self, exc: BaseException) -> bool:
+        key = self._api_key or os.environ.get("OPENAI_API_KEY")
+        return key is not None and len(key) >= 4 and key in f"{exc!s}{exc!r}"
+
+    def _auth_error(self, status: int) -> LLMAuthenticationError:
+        where = self._where()
+        if status == 401:
+            msg = (
+                f"{where} rejected the API key (HTTP 401): set OPENAI_API_KEY (or pass api_key=) "
+                "to a valid key for this server"
+            )
+        else:
+            msg = (
+                f"{where} refused access (HTTP 403): the API key has no access to model "
+                f"{self.model!r}; check the key's project, organisation or region"
+            )
+        return LLMAuthenticationError(msg)
+
+    def _request_error(self, status: int, detail: str) -> LLMRequestError:
+        where = self._where()
+        said = f"; the server said: {detail}" if detail else ""
+        if status == 404:
+            msg = (
+                f"{where} answered HTTP 404: check the model name (the server lists its models at "
+                f"{self.endpoint.rstrip('/')}/models) and that base_url ends with /v1{said}"
+            )
+        else:
+            msg = (
+                f"{where} rejected the request (HTTP {status}){said}: check the model name and "
+                "parameters (newer OpenAI models need max_tokens_param='max_completion_tokens' "
+                "and temperature=None)"
+            )
+        return LLMRequestError(msg)
+
+    def _call(self, attempt_fn: Callable[[], T]) -> T:
+        for attempt in range(self.max_retries + 1):
+            self.usage.add(requests=1)
+            try:
+                return attempt_fn()
+            except Exception as exc:
+                delay = self._decide(exc, attempt)
+            time.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _acall(self, attempt_fn: Callable[[], Awaitable[T]]) -> T:
+        for attempt in range(self.max_retries + 1):
+            self.usage.add(requests=1)
+            try:
+                return await attempt_fn()
+            except Exception as exc:
+                delay = self._decide(exc, attempt)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _server_message(exc: Any) -> str:
+    body = getattr(exc, "body", None)
+    if isinstance(body, Mapping):
+        error = body.get("error", body)
+        if isinstance(error, Mapping) and error.get("message"):
+            return str(error["message"])[:300]
+        if isinstance(error, str):
+            return error[:300]
+    message = getattr(exc, "message", "") or ""
+    return str(message)[:300]
+
+
+def _error_code(exc: Any) -> str | None:
+    code = getattr(exc, "code", None)
+    if code:
+        return str(code)
+    body = getattr(exc, "body", None)
+    if isinstance(body, Mapping):
+        error = body.get("error", body)
+        if isinstance(error, Mapping) and error.get("code"):
+            return str(error["code"])
+    return None
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds asked for by ``retry-after-ms`` or ``Retry-After`` (seconds or an HTTP date)."""
+    raw_ms = headers.get("retry-after-ms")
+    if raw_ms:
+        try:
+            value = float(raw_ms) / 1000.0
+        except ValueError:
+            value = math.nan
+        if math.isfinite(value) and value >= 0:
+            return value
+    raw = headers.get("retry-after")
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(raw)
+        except (TypeError, ValueError):
+            return None
+        return max(0.0, when.timestamp() - time.time())
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+class OpenAIChatLLM(_OpenAIService):
+    """An :class:`~raptor_core.types.LLM` over an OpenAI-compatible ``/chat/completions``.
+
+    Works with OpenAI and with self-hosted servers that speak its API (vLLM, Ollama,
+    llama.cpp ``llama-server``, LiteLLM): point ``base_url`` at the server's ``/v1``.
+
+    Args:
+        model: model name as the server knows it.
+        base_url: API root; ``OPENAI_BASE_URL`` or OpenAI's when None.
+        api_key: the key; ``OPENAI_API_KEY`` when None.  Never logged or recorded.
+        system_prompt: system message sent first (None: none).
+        temperature: sampling temperature; 0 makes summaries repeatable.  None leaves it to
+            the server (needed by reasoning models that reject the parameter).
+        max_tokens_param: request field that carries ``max_tokens``; newer OpenAI models
+            want ``"max_completion_tokens"``.
+        on_truncated: a completion cut at ``max_tokens`` is retried then kept with a warning
+            (``"retry"``), kept at once (``"keep"``), or retried then raised (``"error"``).
+        timeout: seconds to wait for one answer.
+        max_retries: retries after a 429, a 5xx, a timeout, a dropped connection or an
+            empty answer; 401/403/400/404 are never retried.
+        backoff: first backoff step in seconds; doubles at each retry up to ``max_backoff``.
+        max_backoff: cap of one backoff step (``Retry-After`` is honoured as sent).
+
+    Examples:
+        >>> llm = OpenAIChatLLM("llama3.1", base_url="http://localhost:11434/v1")
+        >>> llm.complete("Say hi", max_tokens=5)  # doctest: +SKIP
+        'Hi!'
+    """
+
+    _kind = "chat model"
+
+    def __init__(
+        self,
+        model: str = DEFAULT_CHAT_MODEL,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        temperature: float | None = 0.0,
+        max_tokens_param: str = "max_tokens",
+        on_truncated: str = "retry",
+        timeout: float = 60.0,
+        max_retries: int = 6,
+        backoff: float = 0.5,
+        max_backoff: float = 30.0,
+    ) -> None:
+        super().__init__(
+            model,
+            base_url=base_url,
+            api_key=api_key,
+            timeout=timeout,
+            max_retries=max_retries,
+            backoff=backoff,
+            max_backoff=max_backoff,
+        )
+        self.system_prompt = system_prompt
+        self.temperature = temperature
+        self.max_tokens_param = max_tokens_param
+        self.on_truncated = on_truncated
+
+    def get_params(self) -> dict[str, Any]:
+        """Constructor parameters, without the API key (recorded in ``Tree.params``)."""
+        return {
+            "model": self.model,
+            "base_url": self.base_url,
+            "system_prompt": self.system_prompt,
+            "temperature": self.temperature,
+            "max_tokens_param": self.max_tokens_param,
+            "on_truncated": self.on_truncated,
+            "timeout": self.timeout,
+            "max_retries": self.max_retries,
+            "backoff": self.backoff,
+            "max_backoff": self.max_backoff,
+        }
+
+    def _validate(self) -> None:
+        super()._validate()
+        if self.on_truncated not in _TRUNCATION_MODES:
+            msg = f"on_truncated must be one of {_TRUNCATION_MODES}, got {self.on_truncated!r}"
+            raise InvalidParameterError(msg)
+        if self.max_tokens_param not in {"max_tokens", "max_completion_tokens"}:
+            msg = (
+                "max_tokens_param must be 'max_tokens' or 'max_completion_tokens', "
+                f"got {self.max_tokens_param!r}"
+            )
+            raise InvalidParameterError(msg)
+
+    def _request(self, prompt: str, max_tokens: int | None) -> dict[str, Any]:
+        if not isinstance(prompt, str) or not prompt.strip():
+            msg = "the prompt is empty: there is nothing to send to the model"
+            raise InvalidInputError(msg)
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            msg = f"max_tokens must be a positive integer or None, got {max_tokens!r}"
+            raise InvalidParameterError(msg)
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+        request: dict[str, Any] = {"model": self.model, "messages": messages}
+        if self.temperature is not None:
+            request["temperature"] = self.temperature
+        if max_tokens is not None:
+            request[self.max_tokens_param] = max_tokens
+        return request
+
+    def _answer(self, response: Any, *, last: Callable[[], bool]) -> str:
+        usage = getattr(response, "usage", None)
+        self.usage.add(
+            prompt_tokens=getattr(usage, "prompt_tokens", 0) or 0,
+            completion_tokens=getattr(usage, "completion_tokens", 0) or 0,
+        )
+        choices = getattr(response, "choices", None) or []
+        message = getattr(choices[0], "message", None) if choices else None
+        content = getattr(message, "content", None)
+        if not isinstance(content, str) or not content.strip():
+            raise _EmptyAnswer(
+                "an empty completion",
+                "check that the model is a chat model and that the prompt fits its context",
+            )
+        truncated = choices[0].finish_reason == "length"
+        if (
+            truncated
+            and self.on_truncated != "keep"
+            and (not last() or self.on_truncated == "error")
+        ):
+            # At temperature > 0 another try may fit; on the last one "retry" keeps the text.
+            raise _EmptyAnswer(
+                "a completion cut at max_tokens (finish_reason='length')",
+                "raise the summary length (summary_max_tokens) or pass on_truncated='keep'",
+            )
+        if truncated:
+            self.usage.add(truncated=1)
+            logger.warning("%s: keeping a completion cut at max_tokens", self._where())
+        self.usage.add(calls=1)
+        return content.strip()
+
+    def complete(self, prompt: str, *, max_tokens: int | None = None) -> str:
+        """Return the model's answer to ``prompt`` (at most ``max_tokens`` tokens).
+
+        Raises:
+            LLMAuthenticationError: the key was rejected (401/403) or no key is set.
+            LLMRequestError: unknown model or bad parameter (400/404/422).
+            LLMTimeoutError: no answer within ``timeout`` after all retries.
+            LLMError: other failures after all retries, or empty answers only.
+        """
+        request = self._request(prompt, max_tokens)
+        client = self._sync_client()
+        attempts = _AttemptCounter(self.max_retries)
+
+        def attempt() -> str:
+            attempts.next()
+            return self._answer(client.chat.completions.create(**request), last=attempts.last)
+
+        return self._call(attempt)
+
+    async def acomplete(self, prompt: str, *, max_tokens: int | None = None) -> str:
+        """Async :meth:`complete` on the async client (one per event loop)."""
+        request = self._request(prompt, max_tokens)
+        client = self._async_client()
+        attempts = _AttemptCounter(self.max_retries)
+
+        async def attempt() -> str:
+            attempts.next()
+            return self._answer(await client.chat.completions.create(**request), last=attempts.last)
+
+        return await self._acall(attempt)
+
+
+class _AttemptCounter:
+    """Which attempt of a retried call is running (the last one keeps a truncated answer)."""
+
+    def __init__(self, max_retries: int) -> None:
+        self.max_retries = max_retries
+        self.attempt = -1
+
+    def next(self) -> None:
+        self.attempt += 1
+
+    def last(self) -> bool:
+        return self.attempt >= self.max_retries
+
+
+class OpenAISummarizer(LLMSummarizer):
+    """The RAPTOR summariser over an OpenAI-compatible chat model.
+
+    Sends the paper's prompt (``DEFAULT_SUMMARY_PROMPT``) or your ``prompt`` template (with a
+    ``{context}`` placeholder) for each cluster; ``summary_max_tokens`` of the builder becomes
+    the request's ``max_tokens``.  The builder requests the summaries of a layer concurrently
+    (``TreeBuilder(max_concurrency=...)``); retries and usage are those of the inner
+    :class:`OpenAIChatLLM`, available as ``self.llm`` and ``self.usage``.
+
+    Args:
+        model: chat model name.
+        prompt: template with ``{context}``; the paper's prompt by default.
+        separator: joins a cluster's texts into the context.
+        **others**: as :class:`OpenAIChatLLM`.
+
+    Examples:
+        >>> from raptor_core import TreeBuilder
+        >>> summarizer = OpenAISummarizer("gpt-4o-mini")  # reads OPENAI_API_KEY
+        >>> builder = TreeBuilder(summarizer=summarizer, max_concurrency=8)
+    """
+
+    cache_ignore = _OpenAIService.cache_ignore
+
+    def __init__(
+        self,
+        model: str = DEFAULT_CHAT_MODEL,
+        *,
+        prompt: str = DEFAULT_SUMMARY_PROMPT,
+        separator: str = "\n\n",
+        base_url: str | None = None,
+        api_key: str | None = None,
+        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        temperature: float | None = 0.0,
+        max_tokens_param: str = "max_tokens",
+        on_truncated: str = "retry",
+        timeout: float = 60.0,
+        max_retries: int = 6,
+        backoff: float = 0.5,
+        max_backoff: float = 30.0,
+    ) -> None:
+        llm = OpenAIChatLLM(
+            model,
+            base_url=base_url,
+            api_key=api_key,
+            system_prompt=system_prompt,
+            temperature=temperature,
+            max_tokens_param=max_tokens_param,
+            on_truncated=on_truncated,
+            timeout=timeout,
+            max_retries=max_retries,
+            backoff=backoff,
+            max_backoff=max_backoff,
+        )
+        super().__init__(llm, prompt=prompt, separator=separator)
+        self.llm: OpenAIChatLLM = llm
+
+    def __repr__(self) -> str:
+        return f"OpenAISummarizer(model={self.llm.model!r})"
+
+    @property
+    def model(self) -> str:
+        """The chat model's name."""
+        return self.llm.model
+
+    @property
+    def usage(self) -> Usage:
+        """Calls and tokens spent so far."""
+        return self.llm.usage
+
+    def get_params(self) -> dict[str, Any]:
+        """Constructor parameters, without the API key (recorded in ``Tree.params``)."""
+        return {"prompt": self.prompt, "separator": self.separator, **self.llm.get_params()}
+
+    def check_settings(self) -> None:
+        """Validate the prompt and the model's settings without any request."""
+        self.render([""])
+        self.llm.check_settings()
+
+
+class OpenAIEmbedder(_OpenAIService):
+    """An :class:`~raptor_core.types.Embedder` over an OpenAI-compatible ``/embeddings``.
+
+    ``embed_documents`` sends ``batch_size`` texts per request and up to ``max_concurrency``
+    requests at once.  Vectors come back as float32 in input order (not normalised: the
+    builder normalises).  A tree records this embedder's parameters (never the key), so
+    ``raptor query`` re-creates it with the key from the environment.
+
+    Args:
+        model: embedding model name as the server knows it.
+        base_url: API root; ``OPENAI_BASE_URL`` or OpenAI's when None.
+        api_key: the key; ``OPENAI_API_KEY`` when None.  Never logged or recorded.
+        batch_size: texts per request (OpenAI accepts up to 2,048).
+        dimensions: shorten vectors to this size (``text-embedding-3-*`` only).
+        max_concurrency: batches in flight at once.
+        timeout, max_retries, backoff, max_backoff: as :class:`OpenAIChatLLM`.
+
+    Examples:
+        >>> embedder = OpenAIEmbedder("nomic-embed-text", base_url="http://localhost:11434/v1")
+        >>> embedder.embed_documents(["a cat", "a dog"]).shape  # doctest: +SKIP
+        (2, 768)
+    """
+
+    _kind = "embedding model"
+    _usage_fields = ("requests", "calls", "prompt_tokens", "retries")
+
+    def __init__(
+        self,
+        model: str = DEFAULT_EMBEDDING_MODEL,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        batch_size: int = 128,
+        dimensions: int | None = None,
+        max_concurrency: int = 4,
+        timeout: float = 60.0,
+        max_retries: int = 6,
+        backoff: float = 0.5,
+        max_backoff: float = 30.0,
+    ) -> None:
+        super().__init__(
+            model,
+            base_url=base_url,
+            api_key=api_key,
+            timeout=timeout,
+            max_retries=max_retries,
+            backoff=backoff,
+            max_backoff=max_backoff,
+        )
+        self.batch_size = batch_size
+        self.dimensions = dimensions
+        self.max_concurrency = max_concurrency
+
+    def get_params(self) -> dict[str, Any]:
+        """Constructor parameters, without the API key (recorded in ``Tree.params``)."""
+        return {
+            "model": self.model,
+            "base_url": self.base_url,
+            "batch_size": self.batch_size,
+            "dimensions": self.dimensions,
+            "max_concurrency": self.max_concurrency,
+            "timeout": self.timeout,
+            "max_retries": self.max_retries,
+            "backoff": self.backoff,
+            "max_backoff": self.max_backoff,
+        }
+
+    def _validate(self) -> None:
+        super()._validate()
+        for name in ("batch_size", "max_concurrency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                msg = f"OpenAIEmbedder: {name} must be an integer >= 1, got {value!r}"
+                raise InvalidParameterError(msg)
+        dims = self.dimensions
+        if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
+            msg = f"OpenAIEmbedder: dimensions must be a positive integer or None, got {dims!r}"
+            raise InvalidParameterError(msg)
+
+    def _batches(self, texts: Sequence[str]) -> Iterator[list[str]]:
+        self._validate()
+        for i, text in enumerate(texts):
+            if not isinstance(text, str) or not text.strip():
+                msg = f"text #{i} is empty or not a string ({text!r}): embedding services reject it"
+                raise InvalidInputError(msg)
+        for start in range(0, len(texts), self.batch_size):
+            yield list(texts[start : start + self.batch_size])
+
+    def _request(self, batch: list[str]) -> dict[str, Any]:
+        # "float", not the client's default base64: llama.cpp and older servers lack base64.
+        request: dict[str, Any] = {"model": self.model, "input": batch, "encoding_format": "float"}
+        if self.dimensions is not None:
+            request["dimensions"] = self.dimensions
+        return request
+
+    def _vectors(self, response: Any, n: int) -> NDArray[np.float32]:
+        usage = getattr(response, "usage", None)
+        self.usage.add(prompt_tokens=getattr(usage, "prompt_tokens", 0) or 0)
+        data = list(getattr(response, "data", None) or [])
+        if len(data) != n:
+            raise _EmptyAnswer(
+                f"{len(data)} embeddings for {n} texts",
+                "check that the model is an embedding model and that the server accepts batches",
+            )
+        data.sort(key=lambda item: item.index)
+        try:
+            arr = np.asarray([item.embedding for item in data], dtype=np.float32)
+        except (TypeError, ValueError) as exc:
+            msg = f"{self._where()} returned malformed embeddings: {exc}"
+            raise EmbeddingError(msg) from exc
+        if arr.ndim != 2 or arr.shape[1] == 0:
+            msg = f"{self._where()} returned embeddings of shape {arr.shape} for {n} texts"
+            raise EmbeddingError(msg)
+        self.usage.add(calls=1)
+        return arr
+
+    def _embed_batch(self, batch: list[str]) -> NDArray[np.float32]:
+        client = self._sync_client()
+        request = self._request(batch)
+        return self._call(lambda: self._vectors(client.embeddings.create(**request), len(batch)))
+
+    async def _aembed_batch(self, batch: list[str]) -> NDArray[np.float32]:
+        client = self._async_client()
+        request = self._request(batch)
+
+        async def attempt() -> NDArray[np.float32]:
+            return self._vectors(await client.embeddings.create(**request), len(batch))
+
+        return await self._acall(attempt)
+
+    def _stack(self, parts: Sequence[NDArray[np.float32]]) -> NDArray[np.float32]:
+        if not parts:
+            return np.zeros((0, self.dimensions or 0), dtype=np.float32)
+        dims = {p.shape[1] for p in parts}
+        if len(dims) > 1:
+            msg = (
+                f"{self._where()} returned vectors of different sizes {sorted(dims)} across batches"
+            )
+            raise EmbeddingError(msg)
+        return np.concatenate(parts)
+
+    def embed_documents(self, texts: Sequence[str]) -> NDArray[np.float32]:
+        """Embed texts; ``(len(texts), d)`` float32."""
+        batches = list(self._batches(texts))
+        if len(batches) <= 1 or self.max_concurrency == 1:
+            return self._stack([self._embed_batch(b) for b in batches])
+        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(batches))) as pool:
+            futures = [pool.submit(self._embed_batch, b) for b in batches]
+            try:
+                return self._stack([f.result() for f in futures])
+            except BaseException:
+                # A rejected key or Ctrl-C: send none of the batches still queued.
+                for future in futures:
+                    future.cancel()
+                raise
+
+    def embed_query(self, text: str) -> NDArray[np.float32]:
+        """Embed one query; ``(d,)`` float32."""
+        return self.embed_documents([text])[0]
+
+    async def aembed_documents(self, texts: Sequence[str]) -> NDArray[np.float32]:
+        """Async :meth:`embed_documents`: up to ``max_concurrency`` batches at once."""
+        batches = list(self._batches(texts))
+        semaphore = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(batch: list[str]) -> NDArray[np.float32]:
+            async with semaphore:
+                return await self._aembed_batch(batch)
+
+        tasks = [asyncio.ensure_future(one(b)) for b in batches]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+        return self._stack(parts)
+
+    async def aembed_query(self, text: str) -> NDArray[np.float32]:
+        """Async :meth:`embed_query`."""
+        return (await self.aembed_documents([text]))[0]

@@ -1,0 +1,783 @@
+"""Build a RAPTOR tree: chunk, embed, cluster, summarise, repeat (RAPTOR, section 3)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import threading
+import time
+import unicodedata
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from raptor_core.exceptions import (
+    EmbeddingError,
+    InvalidInputError,
+    InvalidParameterError,
+    RaptorError,
+    SummarizationError,
+)
+from raptor_core.tree import Node, Tree
+
+if TYPE_CHECKING:
+    from raptor_core.cache import BuildCache
+from raptor_core.types import (
+    AsyncEmbedder,
+    AsyncSummarizer,
+    Chunker,
+    Clusterer,
+    Document,
+    Embedder,
+    Summarizer,
+    Tokenizer,
+)
+
+__all__ = [
+    "TYPICAL_CLUSTER_SIZE",
+    "BuildEstimate",
+    "LayerEstimate",
+    "ProgressCallback",
+    "TreeBuilder",
+    "describe",
+    "to_documents",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``progress(stage, done, total)``; stages: "chunk", "embed", "cluster", "summarize".
+ProgressCallback = Callable[[str, int, int], None]
+
+
+def describe(component: object) -> dict[str, Any]:
+    """A JSON-serialisable description of a component, recorded in the tree's params."""
+    cls = type(component)
+    out: dict[str, Any] = {"class": f"{cls.__module__}.{cls.__qualname__}"}
+    get_params = getattr(component, "get_params", None)
+    params = get_params() if callable(get_params) else vars(component) if hasattr(component, "__dict__") else {}
+    for key, value in params.items():
+        if key.startswith("_") or "key" in key.lower():  # never record credentials
+            continue
+        if value is None or isinstance(value, str | int | float | bool):
+            out[key] = value
+    return out
+
+
+def to_documents(documents: Iterable[str | Document | Mapping[str, Any]]) -> list[Document]:
+    """Normalise strings, :class:`Document` objects and ``{"doc_id", "text", ...}`` mappings.
+
+    Raises:
+        InvalidInputError: a document is empty, binary, not text, or a duplicate id.
+    """
+    out: list[Document] = []
+    seen: set[str] = set()
+    for i, item in enumerate(documents):
+        if isinstance(item, Document):
+            doc = item
+        elif isinstance(item, str):
+            doc = Document(text=item, doc_id=f"doc-{i}")
+        elif isinstance(item, Mapping):
+            if "text" not in item:
+                msg = f"document #{i} has no 'text' field (keys: {sorted(item)})"
+                raise InvalidInputError(msg)
+            extra = {k: v for k, v in item.items() if k not in {"text", "doc_id", "metadata"}}
+            meta = {**extra, **dict(item.get("metadata") or {})}
+            doc = Document(text=item["text"], doc_id=str(item.get("doc_id", f"doc-{i}")), metadata=meta)
+        else:
+            msg = f"document #{i} must be a str, Document or mapping, got {type(item).__name__}"
+            raise InvalidInputError(msg)
+        _check_text(doc)
+        if doc.doc_id in seen:
+            msg = f"duplicate doc_id {doc.doc_id!r}: give every document a unique id"
+            raise InvalidInputError(msg)
+        seen.add(doc.doc_id)
+        try:
+            json.dumps(doc.metadata, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            msg = f"metadata of document {doc.doc_id!r} must be JSON-serialisable: {exc}"
+            raise InvalidInputError(msg) from exc
+        out.append(doc)
+    return out
+
+
+def _check_text(doc: Document) -> None:
+    if not isinstance(doc.text, str):
+        msg = f"document {doc.doc_id!r}: text must be str, got {type(doc.text).__name__} (decode bytes first)"
+        raise InvalidInputError(msg)
+    if not doc.text.strip():
+        msg = f"document {doc.doc_id!r} is empty or whitespace only: remove it or give it text"
+        raise InvalidInputError(msg)
+    sample = doc.text[:100_000]
+    # Control characters other than whitespace do not occur in text; a NUL or many of them
+    # means a binary file was decoded as text.
+    controls = sum(1 for ch in sample if unicodedata.category(ch) == "Cc" and ch not in "\t\n\r\f\v")
+    if "\x00" in sample or controls > max(8, len(sample) // 100):
+        msg = f"document {doc.doc_id!r} looks binary ({controls} control characters): pass text, not file bytes"
+        raise InvalidInputError(msg)
+
+
+class TreeBuilder:
+    """Builds a :class:`~raptor_core.tree.Tree` from documents.
+
+    Parameters are stored as given and validated when :meth:`build` runs (scikit-learn style).
+
+    Args:
+        embedder: embeds chunks and summaries (default: the packaged all-MiniLM-L6-v2).
+        summarizer: summarises clusters (default: :class:`ExtractiveSummarizer`, offline).
+        tokenizer: counts tokens (default: tiktoken ``cl100k_base``, or a documented fallback).
+        chunker: splits documents (default: :class:`SentenceChunker` with ``chunk_max_tokens``).
+        clusterer: soft-clusters vectors (default: :class:`GMMClusterer` seeded with
+            ``random_state``).
+        chunk_max_tokens: leaf chunk size; the paper uses 100.
+        summary_max_tokens: summary length asked of the summariser; the paper uses 100.
+        cluster_max_tokens: a cluster whose text exceeds this is re-clustered so the
+            summariser's input stays bounded; the paper uses 3,500.
+        max_layers: maximum number of summary layers above the leaves.
+        min_layer_size: a layer with fewer nodes is not clustered further.
+        max_concurrency: summaries requested at once (threads for sync summarisers,
+            tasks for async ones).
+        n_threads: cap on torch/BLAS/numba threads during the build (None: leave as is).
+        random_state: seed for the default clusterer.
+        progress: ``progress(stage, done, total)`` callback (the CLI draws bars with it).
+        cache: a :class:`~raptor_core.cache.BuildCache`, or a directory for one.  Summaries and
+            embeddings are read from it first and written to it as they arrive, so a build
+            rerun after a crash or Ctrl-C makes only the calls it had not made.  None: no cache.
+
+    Examples:
+        >>> from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer
+        >>> builder = TreeBuilder(FakeEmbedder(), EchoSummarizer(), tokenizer=WhitespaceTokenizer())
+        >>> tree = builder.build(["Cats purr. Dogs bark.", "Rockets fly to orbit."])
+        >>> tree.doc_ids
+        ('doc-0', 'doc-1')
+    """
+
+    def __init__(
+        self,
+        embedder: Embedder | None = None,
+        summarizer: Summarizer | None = None,
+        *,
+        tokenizer: Tokenizer | None = None,
+        chunker: Chunker | None = None,
+        clusterer: Clusterer | None = None,
+        chunk_max_tokens: int = 100,
+        summary_max_tokens: int = 100,
+        cluster_max_tokens: int = 3500,
+        max_layers: int = 5,
+        min_layer_size: int = 3,
+        max_concurrency: int = 4,
+        n_threads: int | None = None,
+        random_state: int | None = None,
+        progress: ProgressCallback | None = None,
+        cache: BuildCache | str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.embedder = embedder
+        self.summarizer = summarizer
+        self.tokenizer = tokenizer
+        self.chunker = chunker
+        self.clusterer = clusterer
+        self.chunk_max_tokens = chunk_max_tokens
+        self.summary_max_tokens = summary_max_tokens
+        self.cluster_max_tokens = cluster_max_tokens
+        self.max_layers = max_layers
+        self.min_layer_size = min_layer_size
+        self.max_concurrency = max_concurrency
+        self.n_threads = n_threads
+        self.random_state = random_state
+        self.progress = progress
+        self.cache = cache
+
+    _int_params: Mapping[str, int] = {
+        "chunk_max_tokens": 8,
+        "summary_max_tokens": 1,
+        "cluster_max_tokens": 16,
+        "max_layers": 0,
+        "min_layer_size": 2,
+        "max_concurrency": 1,
+    }
+
+    def get_params(self) -> dict[str, Any]:
+        """The builder's parameters, JSON-serialisable (recorded in ``Tree.params``)."""
+        params: dict[str, Any] = {name: getattr(self, name) for name in self._int_params}
+        params["n_threads"] = self.n_threads
+        params["random_state"] = self.random_state
+        return params
+
+    # -- resolution ----------------------------------------------------------------------------
+    def _validate(self) -> None:
+        for name, minimum in self._int_params.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                msg = f"{name} must be an integer >= {minimum}, got {value!r}"
+                raise InvalidParameterError(msg)
+        if self.cluster_max_tokens < self.chunk_max_tokens:
+            msg = (
+                f"cluster_max_tokens ({self.cluster_max_tokens}) must be at least chunk_max_tokens "
+                f"({self.chunk_max_tokens}), or no cluster of two chunks could be summarised"
+            )
+            raise InvalidParameterError(msg)
+        if self.n_threads is not None and (not isinstance(self.n_threads, int) or self.n_threads < 1):
+            msg = f"n_threads must be a positive integer or None, got {self.n_threads!r}"
+            raise InvalidParameterError(msg)
+        if self.random_state is not None and not isinstance(self.random_state, int):
+            msg = f"random_state must be an int or None, got {self.random_state!r}"
+            raise InvalidParameterError(msg)
+
+    def _components(self) -> tuple[Embedder, Summarizer, Tokenizer, Chunker, Clusterer]:
+        from raptor_core.tokenizers import default_tokenizer
+
+        embedder = self.embedder
+        if embedder is None:
+            from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
+
+            embedder = SentenceTransformerEmbedder()
+        tokenizer = self.tokenizer if self.tokenizer is not None else default_tokenizer()
+        summarizer = self.summarizer
+        if summarizer is None:
+            from raptor_core.summarizers import ExtractiveSummarizer
+
+            summarizer = ExtractiveSummarizer(embedder, tokenizer=tokenizer)
+        chunker = self.chunker
+        if chunker is None:
+            from raptor_core.chunking import SentenceChunker
+
+            chunker = SentenceChunker(tokenizer, max_tokens=self.chunk_max_tokens)
+        clusterer = self.clusterer
+        if clusterer is None:
+            from raptor_core.clustering import GMMClusterer
+
+            clusterer = GMMClusterer(random_state=self.random_state)
+        return embedder, summarizer, tokenizer, chunker, clusterer
+
+    # -- public API ----------------------------------------------------------------------------
+    def build(self, documents: Iterable[str | Document | Mapping[str, Any]]) -> Tree:
+        """Build a tree over ``documents`` (strings, :class:`Document` or mappings).
+
+        Raises:
+            InvalidInputError: no documents, or an empty, binary or duplicate document.
+            InvalidParameterError: a builder parameter is out of range.
+            EmbeddingError, SummarizationError: a model failed (with layer and cluster).
+        """
+        from raptor_core._threads import limit_threads
+
+        run = _BuildRun(self, documents)
+        with limit_threads(self.n_threads):
+            run.make_leaves()
+            run.commit_layer(run.embed_sync(run.layer_texts()))
+            while run.next_clusters():
+                summaries = run.summarize_sync()
+                run.add_layer(summaries)
+                run.commit_layer(run.embed_sync(summaries))
+        return run.finish()
+
+    async def abuild(self, documents: Iterable[str | Document | Mapping[str, Any]]) -> Tree:
+        """Async :meth:`build`: summaries and embeddings use the async seams when present.
+
+        CPU-bound stages (chunking, clustering) run in a worker thread so the event loop stays
+        responsive.
+        """
+        run = _BuildRun(self, documents)
+        await asyncio.to_thread(run.make_leaves)
+        run.commit_layer(await run.aembed(run.layer_texts()))
+        while await asyncio.to_thread(run.next_clusters):
+            summaries = await run.summarize_async()
+            run.add_layer(summaries)
+            run.commit_layer(await run.aembed(summaries))
+        return run.finish()
+
+    def estimate(self, documents: Iterable[str | Document | Mapping[str, Any]]) -> BuildEstimate:
+        """Estimate the model calls and tokens of :meth:`build`, without calling any model.
+
+        The documents are chunked for real (tokenizer and chunker only); the layers above are
+        projected: a layer of ``n`` nodes of ``t`` tokens forms about
+        ``n / min(TYPICAL_CLUSTER_SIZE, cluster_max_tokens / t)`` clusters (RAPTOR reports
+        6.7 children per summary on average), each one summary call whose prompt is the
+        template plus the cluster's texts and whose completion is at most
+        ``summary_max_tokens`` (an upper bound).  Layers stop as in :meth:`build`:
+        ``max_layers``, ``min_layer_size``, or a single cluster.  Real counts depend on the
+        clustering; soft-clustered nodes shared by two clusters are not counted twice.  The
+        build cache is not consulted: the estimate is for a build from scratch.
+        """
+        from raptor_core.tokenizers import count_tokens, default_tokenizer
+
+        self._validate()
+        docs = to_documents(documents)
+        if not docs:
+            msg = "no documents to estimate a build for"
+            raise InvalidInputError(msg)
+        tokenizer = self.tokenizer if self.tokenizer is not None else default_tokenizer()
+        chunker = self.chunker
+        if chunker is None:
+            from raptor_core.chunking import SentenceChunker
+
+            chunker = SentenceChunker(tokenizer, max_tokens=self.chunk_max_tokens)
+        chunks = [c for doc in docs for c in chunker.split(doc.text)]
+        tokens = [c.token_count or count_tokens(tokenizer, c.text) for c in chunks]
+        overhead = 0  # prompt tokens sent with every cluster (template, system message)
+        render = getattr(self.summarizer, "render", None)
+        if callable(render):
+            overhead += count_tokens(tokenizer, render([""]))
+        system = getattr(getattr(self.summarizer, "llm", None), "system_prompt", None)
+        if isinstance(system, str):
+            overhead += count_tokens(tokenizer, system)
+        batch = getattr(self.embedder, "batch_size", None)
+        batch = min(batch, 256) if isinstance(batch, int) and batch > 0 else 256
+
+        n, per_node = len(tokens), (sum(tokens) / len(tokens) if tokens else 0.0)
+        layers = [
+            LayerEstimate(layer=0, nodes=n, embed_calls=math.ceil(n / batch), embed_tokens=sum(tokens))
+        ]
+        for layer in range(1, self.max_layers + 1):
+            if n < self.min_layer_size:
+                break
+            size = max(2.0, min(TYPICAL_CLUSTER_SIZE, self.cluster_max_tokens / max(per_node, 1.0)))
+            clusters = math.ceil(n / size)
+            if clusters <= 1 or clusters >= n:
+                break
+            layers.append(
+                LayerEstimate(
+                    layer=layer,
+                    nodes=clusters,
+                    calls=clusters,
+                    prompt_tokens=round(clusters * overhead + n * per_node),
+                    completion_tokens=clusters * self.summary_max_tokens,
+                    embed_calls=math.ceil(clusters / batch),
+                    embed_tokens=clusters * self.summary_max_tokens,
+                )
+            )
+            n, per_node = clusters, float(self.summary_max_tokens)
+        return BuildEstimate(documents=len(docs), chunks=len(tokens), layers=tuple(layers))
+
+
+class _BuildRun:
+    """State of one build; the builder itself keeps only parameters."""
+
+    def __init__(self, builder: TreeBuilder, documents: Iterable[str | Document | Mapping[str, Any]]) -> None:
+        builder._validate()
+        self.b = builder
+        self.docs = to_documents(documents)
+        if not self.docs:
+            msg = "no documents to build a tree from"
+            raise InvalidInputError(msg)
+        self.embedder, self.summarizer, self.tokenizer, self.chunker, self.clusterer = builder._components()
+        self.raw_embedder, self.raw_summarizer = self.embedder, self.summarizer
+        self.cache, self.owns_cache = _open_cache(builder.cache)
+        if self.cache is not None:
+            from raptor_core.cache import CachedEmbedder, CachedSummarizer
+
+            self.embedder = CachedEmbedder(self.embedder, self.cache)
+            self.summarizer = CachedSummarizer(self.summarizer, self.cache)
+        self.usage_seen: dict[str, dict[str, int]] = {}
+        self.usage_delta()  # baseline: a reused component may have spent before this build
+        self.nodes: list[Node] = []
+        self.vectors: list[NDArray[np.float32]] = []
+        self.layer_nodes: list[Node] = []  # the layer being clustered
+        self.layer_vectors: NDArray[np.float32] = np.zeros((0, 0), dtype=np.float32)
+        self.clusters: list[list[int]] = []
+        self.timings: dict[str, float] = {"chunk": 0.0, "embed": 0.0, "cluster": 0.0, "summarize": 0.0}
+        self.layers_info: list[dict[str, Any]] = []
+        self.stop_reason = ""
+        self.layer = 0
+
+    def _progress(self, stage: str, done: int, total: int) -> None:
+        if self.b.progress is not None:
+            self.b.progress(stage, done, total)
+
+    # -- stage: chunk --------------------------------------------------------------------------
+    def make_leaves(self) -> None:
+        from raptor_core.tokenizers import count_tokens
+
+        start = time.perf_counter()
+        for d, doc in enumerate(self.docs):
+            chunks = self.chunker.split(doc.text)
+            if not chunks:
+                msg = f"document {doc.doc_id!r} produced no chunks (no text left after splitting)"
+                raise InvalidInputError(msg)
+            for chunk in chunks:
+                text = chunk.text
+                self.layer_nodes.append(
+                    Node(
+                        id=f"L0.{len(self.layer_nodes)}",
+                        text=text,
+                        layer=0,
+                        token_count=chunk.token_count if chunk.token_count else count_tokens(self.tokenizer, text),
+                        doc_id=doc.doc_id,
+                        span=(chunk.start, chunk.end),
+                        doc_ids=(doc.doc_id,),
+                        metadata=dict(doc.metadata),
+                    )
+                )
+            self._progress("chunk", d + 1, len(self.docs))
+        self.timings["chunk"] += time.perf_counter() - start
+
+    # -- stage: embed --------------------------------------------------------------------------
+    def _check_vectors(self, vectors: object, texts: Sequence[str]) -> NDArray[np.float32]:
+        try:
+            arr = np.asarray(vectors, dtype=np.float32)
+        except (TypeError, ValueError) as exc:  # ragged lists, strings, objects
+            msg = f"layer {self.layer}: embedder returned something other than a (n, d) array of numbers: {exc}"
+            raise EmbeddingError(msg) from exc
+        if arr.ndim != 2 or arr.shape[0] != len(texts):
+            msg = f"layer {self.layer}: embedder returned shape {arr.shape} for {len(texts)} texts; expected ({len(texts)}, d)"
+            raise EmbeddingError(msg)
+        if self.vectors and arr.shape[1] != self.vectors[0].shape[1]:
+            msg = f"layer {self.layer}: embedding dimension changed from {self.vectors[0].shape[1]} to {arr.shape[1]}"
+            raise EmbeddingError(msg)
+        bad = ~np.all(np.isfinite(arr), axis=1)
+        # float64: the norm of float32 values near 1e38 would overflow to inf (and zero the row).
+        norms = np.linalg.norm(np.where(bad[:, None], 0.0, arr.astype(np.float64)), axis=1)
+        bad |= norms == 0.0
+        if bad.any():
+            first = int(np.flatnonzero(bad)[0])
+            msg = (
+                f"layer {self.layer}: embedder returned NaN, infinite or all-zero vectors for "
+                f"{int(bad.sum())} of {len(texts)} texts (first: {texts[first][:60]!r}); "
+                "cosine similarity is undefined for them: fix or replace the embedder"
+            )
+            raise EmbeddingError(msg)
+        return (arr / norms[:, None]).astype(np.float32)
+
+    def embed_sync(self, texts: Sequence[str]) -> NDArray[np.float32]:
+        start = time.perf_counter()
+        batch = 256
+        parts: list[NDArray[np.float32]] = []
+        for i in range(0, len(texts), batch):
+            chunk = list(texts[i : i + batch])
+            try:
+                raw = self.embedder.embed_documents(chunk)
+            except RaptorError:
+                raise
+            except Exception as exc:
+                msg = f"layer {self.layer}: embedding texts {i}..{i + batch} failed: {exc}"
+                raise EmbeddingError(msg) from exc
+            part = self._check_vectors(raw, chunk)  # shape checked per call: batches must agree
+            if parts and part.shape[1] != parts[0].shape[1]:
+                msg = f"layer {self.layer}: embedding dimension changed from {parts[0].shape[1]} to {part.shape[1]}"
+                raise EmbeddingError(msg)
+            parts.append(part)
+            self._progress("embed", min(i + batch, len(texts)), len(texts))
+        out = np.concatenate(parts) if parts else np.zeros((0, 0), dtype=np.float32)
+        self.timings["embed"] += time.perf_counter() - start
+        return out
+
+    async def aembed(self, texts: Sequence[str]) -> NDArray[np.float32]:
+        if not isinstance(self.embedder, AsyncEmbedder):
+            return await asyncio.to_thread(self.embed_sync, texts)
+        start = time.perf_counter()
+        try:
+            vectors = await self.embedder.aembed_documents(list(texts))
+        except RaptorError:
+            raise
+        except Exception as exc:
+            msg = f"layer {self.layer}: embedding {len(texts)} texts failed: {exc}"
+            raise EmbeddingError(msg) from exc
+        out = self._check_vectors(vectors, texts)
+        self.timings["embed"] += time.perf_counter() - start
+        return out
+
+    def layer_texts(self) -> list[str]:
+        return [n.text for n in self.layer_nodes]
+
+    def commit_layer(self, vectors: NDArray[np.float32]) -> None:
+        """Record the current layer's nodes with their (checked, unit) vectors."""
+        self.layer_vectors = vectors
+        self.nodes.extend(self.layer_nodes)
+        self.vectors.append(self.layer_vectors)
+        info: dict[str, Any] = {
+            "layer": self.layer,
+            "nodes": len(self.layer_nodes),
+            "tokens": int(sum(n.token_count for n in self.layer_nodes)),
+        }
+        if self.layer > 0:
+            info["mean_children"] = round(float(np.mean([len(n.children) for n in self.layer_nodes])), 3)
+        usage = self.usage_delta()
+        if usage:
+            info["usage"] = usage
+        self.layers_info.append(info)
+
+    def usage_delta(self) -> dict[str, dict[str, int]]:
+        """What the summariser and embedder spent since the last call, for those that count.
+
+        A component counts by having ``usage.snapshot() -> Mapping[str, int]`` (the OpenAI
+        backends, and the cache wrappers, which add ``cache_hits``/``cache_misses``).
+        """
+        out: dict[str, dict[str, int]] = {}
+        for role, component in (("summarize", self.summarizer), ("embed", self.embedder)):
+            snapshot = getattr(getattr(component, "usage", None), "snapshot", None)
+            if not callable(snapshot):
+                continue
+            now = {str(k): int(v) for k, v in dict(snapshot()).items()}
+            before = self.usage_seen.get(role, {})
+            self.usage_seen[role] = now
+            delta = {k: v - before.get(k, 0) for k, v in now.items()}
+            if any(delta.values()):
+                out[role] = delta
+        return out
+
+    # -- stage: cluster ------------------------------------------------------------------------
+    def next_clusters(self) -> bool:
+        """Cluster the current layer; False when the tree is finished (and why is recorded)."""
+        from raptor_core.clustering import cluster_within_limit
+
+        n = len(self.layer_nodes)
+        if self.layer >= self.b.max_layers:
+            self.stop_reason = f"max_layers={self.b.max_layers} reached"
+            return False
+        if n < self.b.min_layer_size:
+            self.stop_reason = f"layer {self.layer} has {n} node(s), fewer than min_layer_size={self.b.min_layer_size}"
+            return False
+        start = time.perf_counter()
+        tokens = [node.token_count for node in self.layer_nodes]
+        clusters = cluster_within_limit(self.clusterer, self.layer_vectors, tokens, self.b.cluster_max_tokens)
+        self.timings["cluster"] += time.perf_counter() - start
+        self._progress("cluster", self.layer + 1, self.layer + 1)
+        clusters = [sorted(set(c)) for c in clusters if c]
+        if len(clusters) <= 1:
+            # A layer that re-summarises one cluster adds a node but no structure (issue #2).
+            self.stop_reason = f"layer {self.layer} forms a single cluster"
+            return False
+        if len(clusters) >= n:
+            self.stop_reason = f"clustering layer {self.layer} no longer groups nodes"
+            return False
+        self.clusters = clusters
+        return True
+
+    # -- stage: summarise ----------------------------------------------------------------------
+    def _cluster_texts(self) -> list[list[str]]:
+        return [[self.layer_nodes[i].text for i in cluster] for cluster in self.clusters]
+
+    def _wrap(self, index: int, exc: BaseException) -> RaptorError:
+        where = f"layer {self.layer + 1}, cluster {index} ({len(self.clusters[index])} nodes)"
+        if isinstance(exc, RaptorError):
+            # Keep the specific type (an auth error must stay one) but say where it happened.
+            exc.args = (f"{where}: {exc}", *exc.args[1:]) if exc.args else (where,)
+            return exc
+        return SummarizationError(f"{where}: summariser failed: {exc!r}")
+
+    def _checked_summary(self, index: int, summary: object) -> str:
+        if not isinstance(summary, str) or not summary.strip():
+            msg = (
+                f"layer {self.layer + 1}, cluster {index}: the summariser returned an empty "
+                f"summary ({summary!r}); every cluster needs text to embed"
+            )
+            raise SummarizationError(msg)
+        return summary.strip()
+
+    def summarize_sync(self) -> list[str]:
+        start = time.perf_counter()
+        texts = self._cluster_texts()
+        limit = self.b.summary_max_tokens
+        batch = getattr(self.summarizer, "summarize_batch", None)
+        results: list[object]
+        if callable(batch):
+            try:
+                results = list(batch(texts, max_tokens=limit))
+            except Exception as exc:
+                raise self._wrap(0, exc) from exc
+            self._progress("summarize", len(texts), len(texts))
+        else:
+            results = [None] * len(texts)
+            # Set by the first failure or Ctrl-C: queued clusters then spend nothing (a bad key
+            # costs one request per worker, not one per cluster).
+            stop = threading.Event()
+
+            def one(i: int) -> None:
+                if stop.is_set():
+                    return
+                try:
+                    results[i] = self.summarizer.summarize(texts[i], max_tokens=limit)
+                except BaseException:
+                    stop.set()
+                    raise
+
+            with ThreadPoolExecutor(max_workers=min(self.b.max_concurrency, len(texts))) as pool:
+                futures = [pool.submit(one, i) for i in range(len(texts))]
+                try:
+                    for done, (i, fut) in enumerate(zip(range(len(texts)), futures, strict=True), 1):
+                        error = fut.exception()
+                        if error is not None:
+                            raise self._wrap(i, error) from error
+                        self._progress("summarize", done, len(texts))
+                except BaseException:
+                    stop.set()
+                    for other in futures:
+                        other.cancel()
+                    raise
+        self.timings["summarize"] += time.perf_counter() - start
+        return [self._checked_summary(i, s) for i, s in enumerate(results)]
+
+    async def summarize_async(self) -> list[str]:
+        start = time.perf_counter()
+        texts = self._cluster_texts()
+        limit = self.b.summary_max_tokens
+        semaphore = asyncio.Semaphore(self.b.max_concurrency)
+        done = 0
+
+        async def one(i: int) -> str:
+            nonlocal done
+            async with semaphore:
+                try:
+                    if isinstance(self.summarizer, AsyncSummarizer):
+                        summary = await self.summarizer.asummarize(texts[i], max_tokens=limit)
+                    else:
+                        summary = await asyncio.to_thread(self.summarizer.summarize, texts[i], max_tokens=limit)
+                except Exception as exc:
+                    raise self._wrap(i, exc) from exc
+            done += 1
+            self._progress("summarize", done, len(texts))
+            return self._checked_summary(i, summary)
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(texts))]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+        self.timings["summarize"] += time.perf_counter() - start
+        return list(results)
+
+    # -- stage: next layer ---------------------------------------------------------------------
+    def add_layer(self, summaries: list[str]) -> None:
+        """Make the summary nodes of the next layer (their vectors come with commit_layer)."""
+        from raptor_core.tokenizers import count_tokens
+
+        children_layer = self.layer_nodes
+        self.layer += 1
+        new_nodes = []
+        for i, (cluster, summary) in enumerate(zip(self.clusters, summaries, strict=True)):
+            members = [children_layer[j] for j in cluster]
+            covered: dict[str, None] = {}
+            for member in members:
+                for doc_id in member.doc_ids:
+                    covered.setdefault(doc_id, None)
+            new_nodes.append(
+                Node(
+                    id=f"L{self.layer}.{i}",
+                    text=summary,
+                    layer=self.layer,
+                    token_count=count_tokens(self.tokenizer, summary),
+                    children=tuple(m.id for m in members),
+                    doc_ids=tuple(covered),
+                )
+            )
+        self.layer_nodes = new_nodes
+
+    def finish(self) -> Tree:
+        embeddings = np.concatenate(self.vectors) if self.vectors else np.zeros((0, 0), dtype=np.float32)
+        params = self.b.get_params()
+        params.update(
+            embedder=describe(self.raw_embedder),
+            summarizer=describe(self.raw_summarizer),
+            tokenizer=describe(self.tokenizer),
+            chunker=describe(self.chunker),
+            clusterer=describe(self.clusterer),
+        )
+        build_info = {
+            "documents": len(self.docs),
+            "chunks": len(self.vectors[0]) if self.vectors else 0,
+            "layers": self.layers_info,
+            "timings": {k: round(v, 4) for k, v in self.timings.items()},
+            "stop_reason": self.stop_reason,
+        }
+        totals: dict[str, dict[str, int]] = {}
+        for info in self.layers_info:
+            for role, counts in info.get("usage", {}).items():
+                total = totals.setdefault(role, {})
+                for name, value in counts.items():
+                    total[name] = total.get(name, 0) + value
+        if totals:
+            build_info["usage"] = totals
+        if self.cache is not None and self.owns_cache:
+            self.cache.close()
+        logger.info("built tree: %s", build_info)
+        return Tree(nodes=tuple(self.nodes), embeddings=embeddings, params=params, build_info=build_info)
+
+
+def _open_cache(cache: object) -> tuple[BuildCache | None, bool]:
+    """The build cache to use, and whether this build opened it (and so closes it)."""
+    if cache is None:
+        return None, False
+    from raptor_core.cache import BuildCache
+
+    if isinstance(cache, BuildCache):
+        return cache, False
+    if isinstance(cache, str | os.PathLike):
+        return BuildCache(cache), True
+    msg = f"cache must be a BuildCache, a directory or None, got {type(cache).__name__}"
+    raise InvalidParameterError(msg)
+
+
+#: Children per summary assumed by :meth:`TreeBuilder.estimate` (RAPTOR's reported average).
+TYPICAL_CLUSTER_SIZE = 6.7
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerEstimate:
+    """Projected size and cost of one layer (layer 0: the chunks, which cost no LLM call)."""
+
+    layer: int
+    nodes: int
+    calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    embed_calls: int = 0
+    embed_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BuildEstimate:
+    """What :meth:`TreeBuilder.estimate` projects a build to cost, layer by layer."""
+
+    documents: int
+    chunks: int
+    layers: tuple[LayerEstimate, ...]
+
+    @property
+    def calls(self) -> int:
+        """Summary (LLM) calls."""
+        return sum(x.calls for x in self.layers)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of the summary calls."""
+        return sum(x.prompt_tokens for x in self.layers)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Completion tokens of the summary calls (an upper bound)."""
+        return sum(x.completion_tokens for x in self.layers)
+
+    @property
+    def embed_tokens(self) -> int:
+        """Tokens sent to the embedder (chunks and summaries)."""
+        return sum(x.embed_tokens for x in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable form, totals included."""
+        return {
+            "documents": self.documents,
+            "chunks": self.chunks,
+            "calls": self.calls,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "embed_tokens": self.embed_tokens,
+            "layers": [
+                {
+                    "layer": x.layer,
+                    "nodes": x.nodes,
+                    "calls": x.calls,
+                    "prompt_tokens": x.prompt_tokens,
+                    "completion_tokens": x.completion_tokens,
+                    "embed_calls": x.embed_calls,
+                    "embed_tokens": x.embed_tokens,
+                }
+                for x in self.layers
+            ],
+        }

@@ -1,0 +1,575 @@
+"""RAPTOR soft clustering: UMAP reduction + Gaussian mixtures chosen by BIC (paper, section 3).
+
+:class:`GMMClusterer` follows the two-step scheme of the RAPTOR paper (Sarthi et al. 2024):
+
+1. **Global**: reduce the vectors with UMAP to ``reduction_dim`` (10) dimensions using
+   ``n_neighbors = int(sqrt(n - 1))``, fit Gaussian mixtures for k = 1, 2, … and keep the k
+   with the lowest BIC, then assign every point to each component whose posterior probability
+   is at least ``threshold`` (0.1): clusters may overlap (soft clustering).
+2. **Local**: inside each global cluster, reduce again with a *local* UMAP
+   (``n_neighbors = 10``) and repeat the BIC-selected mixture + threshold assignment.  A global
+   cluster with at most ``reduction_dim + 1`` members is kept whole, as in the paper's code.
+
+:func:`cluster_within_limit` adds the paper's recursive re-clustering of clusters whose text
+would not fit the summariser's context.
+
+Speed (the paper's reference sweep of 49 full-covariance mixtures over 500 points costs
+seconds per call) comes from choices that keep the method's meaning:
+
+* the BIC sweep stops once ``_BIC_PATIENCE`` consecutive k have failed to beat the best BIC
+  (BIC over k is close to convex on UMAP output: after its minimum it climbs steadily), and never
+  tries more components than there are distinct points;
+* UMAP's exact nearest neighbours (used by UMAP itself below 4096 points) are computed here with
+  one matrix product and handed over as ``precomputed_knn``: same neighbours, but it skips a
+  numba kernel whose first-call compilation alone costs several seconds;
+* UMAP's numba kernels are compiled once per *machine* instead of once per *process*: the
+  dispatchers of ``umap`` get numba's on-disk cache enabled (see :func:`_enable_umap_jit_cache`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from raptor_core._imports import require
+from raptor_core.exceptions import InvalidInputError, InvalidParameterError
+from raptor_core.types import Clusterer
+
+__all__ = ["GMMClusterer", "cluster_within_limit"]
+
+logger = logging.getLogger(__name__)
+
+#: Stop the BIC sweep after this many consecutive k without a new best BIC.
+_BIC_PATIENCE = 5
+#: UMAP computes exact neighbours itself below this size (umap-learn's own cut-off); above it,
+#: a dense (n, n) distance matrix would be too large and UMAP's NN-descent is used instead.
+_EXACT_KNN_MAX = 4096
+#: Metrics for which this module computes exact neighbours; UMAP accepts the same names.
+_METRICS = ("cosine", "euclidean", "manhattan")
+#: sklearn's default covariance regulariser, as in the paper's code; keeps duplicate points and
+#: zero-variance dimensions from making a component's covariance singular.
+_REG_COVAR = 1e-6
+
+_jit_cache_enabled = False
+
+
+class GMMClusterer:
+    """RAPTOR's soft clustering: global then local UMAP + BIC-selected Gaussian mixtures.
+
+    Parameters are stored as given and validated by :meth:`cluster` (scikit-learn style).
+
+    Args:
+        reduction_dim: UMAP output dimensions (paper: 10).
+        threshold: a point joins every mixture component whose posterior probability is at least
+            this (paper: 0.1).  A point below it everywhere joins its most likely component, so
+            no point is ever left out.
+        max_clusters: the largest number of mixture components tried (paper: 50).
+        global_n_neighbors: UMAP neighbours for the global step; None uses the paper's
+            ``int(sqrt(n - 1))``.
+        local_n_neighbors: UMAP neighbours inside each global cluster (paper: 10).
+        metric: distance between input vectors: ``"cosine"`` (paper), ``"euclidean"`` or
+            ``"manhattan"``.
+        random_state: seed for UMAP and the mixtures; the same seed and input give the same
+            clusters.  None draws fresh randomness.
+
+    UMAP's numba kernels are compiled on first use (several seconds); this class enables numba's
+    on-disk cache for them, so later processes on the same machine skip most of that cost.
+
+    Examples:
+        >>> import numpy as np
+        >>> rng = np.random.default_rng(0)
+        >>> vectors = rng.normal(size=(3, 8)).astype(np.float32)
+        >>> GMMClusterer(random_state=0).cluster(vectors)
+        [[0, 1, 2]]
+    """
+
+    def __init__(
+        self,
+        *,
+        reduction_dim: int = 10,
+        threshold: float = 0.1,
+        max_clusters: int = 50,
+        global_n_neighbors: int | None = None,
+        local_n_neighbors: int = 10,
+        metric: str = "cosine",
+        random_state: int | None = None,
+    ) -> None:
+        self.reduction_dim = reduction_dim
+        self.threshold = threshold
+        self.max_clusters = max_clusters
+        self.global_n_neighbors = global_n_neighbors
+        self.local_n_neighbors = local_n_neighbors
+        self.metric = metric
+        self.random_state = random_state
+
+    def get_params(self) -> dict[str, Any]:
+        """Return the constructor parameters (scikit-learn style)."""
+        return {
+            "reduction_dim": self.reduction_dim,
+            "threshold": self.threshold,
+            "max_clusters": self.max_clusters,
+            "global_n_neighbors": self.global_n_neighbors,
+            "local_n_neighbors": self.local_n_neighbors,
+            "metric": self.metric,
+            "random_state": self.random_state,
+        }
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
+        return f"{type(self).__name__}({args})"
+
+    # -- public API ----------------------------------------------------------------------------
+    def cluster(self, vectors: NDArray[np.float32]) -> list[list[int]]:
+        """Soft-cluster the rows of ``vectors``.
+
+        Args:
+            vectors: array of shape ``(n, d)``.
+
+        Returns:
+            Lists of row indices, each sorted; the lists are sorted too and pairwise distinct.
+            They may overlap, and together they cover every row.
+
+        Raises:
+            InvalidParameterError: a constructor parameter is out of range.
+            InvalidInputError: ``vectors`` is not a finite 2-D array.
+        """
+        self._validate()
+        x = _as_matrix(vectors)
+        n = x.shape[0]
+        if n == 0:
+            return []
+        if n == 1:
+            return [[0]]
+        threadpoolctl = require("threadpoolctl")
+        # One BLAS/OpenMP thread: the matrices here are small (n x n distances, 10-dimensional
+        # mixtures), so threads buy little, while their different summation orders would make
+        # the seeded result depend on the thread count, and their spin-waits make a busy
+        # machine several times slower.  UMAP itself runs single-threaded (n_jobs=1).
+        with threadpoolctl.threadpool_limits(limits=1):
+            found = self._two_step(x)
+        # Canonical order, independent of how the mixtures happened to number their components.
+        return [list(c) for c in sorted(set(found))]
+
+    # -- steps ---------------------------------------------------------------------------------
+    def _two_step(self, x: NDArray[np.float32]) -> list[tuple[int, ...]]:
+        """The paper's global then local clustering; clusters as tuples of row indices."""
+        n = x.shape[0]
+        rng = np.random.default_rng(self.random_state)
+        global_nn = self.global_n_neighbors
+        if global_nn is None:
+            global_nn = int(math.sqrt(n - 1))  # paper: global neighbours = sqrt(n - 1)
+        global_clusters = self._soft_clusters(x, global_nn, rng, tiny="reduce")
+        logger.debug("global step: %d points -> %d clusters", n, len(global_clusters))
+
+        found: list[tuple[int, ...]] = []
+        for members in global_clusters:
+            # Paper: a global cluster of at most reduction_dim + 1 points is not split further.
+            if len(members) <= self.reduction_dim + 1:
+                found.append(tuple(members.tolist()))
+                continue
+            local = self._soft_clusters(x[members], self.local_n_neighbors, rng, tiny="whole")
+            found.extend(tuple(members[c].tolist()) for c in local)
+        return found
+
+    def _validate(self) -> None:
+        def positive_int(name: str, value: object, minimum: int) -> None:
+            if not _is_int(value) or value < minimum:  # type: ignore[operator]
+                msg = f"{name} must be an integer >= {minimum}, got {value!r}"
+                raise InvalidParameterError(msg)
+
+        positive_int("reduction_dim", self.reduction_dim, 1)
+        positive_int("max_clusters", self.max_clusters, 1)
+        positive_int("local_n_neighbors", self.local_n_neighbors, 2)
+        if self.global_n_neighbors is not None:
+            positive_int("global_n_neighbors", self.global_n_neighbors, 2)
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0:
+            msg = f"threshold must be a probability in (0, 1], got {t!r}"
+            raise InvalidParameterError(msg)
+        if self.metric not in _METRICS:
+            msg = f"metric must be one of {', '.join(map(repr, _METRICS))}, got {self.metric!r}"
+            raise InvalidParameterError(msg)
+        rs = self.random_state
+        if rs is not None and not _is_int(rs):
+            msg = f"random_state must be an integer or None, got {rs!r}"
+            raise InvalidParameterError(msg)
+
+    def _soft_clusters(
+        self, x: NDArray[np.float32], n_neighbors: int, rng: np.random.Generator, *, tiny: str
+    ) -> list[NDArray[np.intp]]:
+        """Reduce ``x`` and soft-assign it with a BIC-selected mixture; clusters as index arrays.
+
+        ``tiny`` says what to do when ``x`` has too few rows for UMAP: ``"reduce"`` falls back to
+        PCA (global step), ``"whole"`` keeps one cluster (local step, as in the paper).
+        """
+        n = x.shape[0]
+        everything = [np.arange(n)]
+        if n <= 2 or _all_identical(x, self.metric):
+            return everything  # nothing to separate; also spares UMAP a degenerate graph
+        if n > self.reduction_dim + 1:
+            reduced = self._umap(x, min(n_neighbors, n - 1), _seed(rng))
+        elif tiny == "whole":
+            return everything
+        else:
+            reduced = None
+        if reduced is None:
+            reduced = _pca(x, min(self.reduction_dim, n - 1), self.metric)
+        return _bic_gmm_soft(reduced, self.max_clusters, self.threshold, _seed(rng))
+
+    def _umap(
+        self, x: NDArray[np.float32], n_neighbors: int, seed: int
+    ) -> NDArray[np.float64] | None:
+        """UMAP-reduce ``x``; None when UMAP cannot handle it (the caller then uses PCA)."""
+        with warnings.catch_warnings():
+            # umap-learn announces with an ImportWarning that ParametricUMAP needs TensorFlow.
+            warnings.simplefilter("ignore", ImportWarning)
+            umap = require("umap", package="umap-learn")
+        _enable_umap_jit_cache(umap)
+        n = x.shape[0]
+        precomputed: tuple[Any, ...] = (None, None, None)
+        if n < _EXACT_KNN_MAX:
+            precomputed = _exact_knn(x, n_neighbors, self.metric)
+        reducer = umap.UMAP(
+            n_neighbors=n_neighbors,
+            n_components=self.reduction_dim,
+            metric=self.metric,
+            random_state=seed,
+            # Seeded UMAP is single-threaded anyway; saying so avoids its "overridden" warning
+            # and keeps results independent of the machine's core count.
+            n_jobs=1,
+            low_memory=True,
+            precomputed_knn=precomputed,
+        )
+        try:
+            with warnings.catch_warnings():
+                # Expected here: no NN-descent index for transform() (we never transform),
+                # spectral-init fallbacks on tiny or degenerate graphs (random init is seeded),
+                # disconnected points in the neighbour graph.
+                warnings.filterwarnings("ignore", category=UserWarning, module=r"umap\.")
+                reduced = reducer.fit_transform(x)
+        except (ValueError, RuntimeError, TypeError, np.linalg.LinAlgError) as exc:
+            logger.debug("UMAP failed on %d points (%s); using PCA instead", n, exc)
+            return None
+        reduced = np.asarray(reduced, dtype=np.float64)
+        if not np.all(np.isfinite(reduced)):
+            logger.debug("UMAP returned non-finite values on %d points; using PCA instead", n)
+            return None
+        return reduced
+
+
+# -- building blocks ---------------------------------------------------------------------------
+def _as_matrix(vectors: NDArray[np.float32]) -> NDArray[np.float32]:
+    x = np.asarray(vectors)
+    if x.ndim != 2:
+        msg = f"vectors must be a 2-D array (n, d), got shape {x.shape}"
+        raise InvalidInputError(msg)
+    if x.shape[0] > 0 and x.shape[1] == 0:
+        msg = "vectors must have at least one column"
+        raise InvalidInputError(msg)
+    if not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x):
+        msg = f"vectors must be real numbers, got dtype {x.dtype}"
+        raise InvalidInputError(msg)
+    x = x.astype(np.float32, copy=False)
+    if not np.all(np.isfinite(x)):
+        msg = "vectors contain NaN or infinite values"
+        raise InvalidInputError(msg)
+    return x
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _seed(rng: np.random.Generator) -> int:
+    """A fresh seed for one UMAP or mixture fit, reproducible from the clusterer's random_state."""
+    return int(rng.integers(0, 2**31 - 1))
+
+
+def _unit_rows(x: NDArray[np.float32]) -> NDArray[np.float32]:
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    # A zero vector has no direction: leave it at the origin (cosine distance 1 to everything).
+    unit: NDArray[np.float32] = (x / np.where(norms > 0, norms, 1.0)).astype(np.float32)
+    return unit
+
+
+def _all_identical(x: NDArray[np.float32], metric: str) -> bool:
+    """Whether all rows are the same point, up to float32 rounding (and scale, for cosine)."""
+    y = _unit_rows(x) if metric == "cosine" else x
+    spread = float(np.abs(y - y[0]).max())
+    return spread <= 1e-6 * float(np.abs(y).max())
+
+
+def _pairwise(x: NDArray[np.float32], metric: str) -> NDArray[np.float32]:
+    """Dense (n, n) distance matrix."""
+    d: NDArray[Any]
+    if metric == "cosine":
+        u = _unit_rows(x)
+        d = 1.0 - u @ u.T
+    elif metric == "euclidean":
+        y = x.astype(np.float64)  # |a|^2 + |b|^2 - 2ab cancels badly in float32
+        sq = np.einsum("ij,ij->i", y, y)
+        d = np.sqrt(np.maximum(sq[:, None] + sq[None, :] - 2.0 * (y @ y.T), 0.0))
+    else:  # manhattan: no matrix-product form; row blocks keep the memory at O(n * d * block)
+        d = np.empty((x.shape[0], x.shape[0]), dtype=np.float32)
+        step = max(1, 2**22 // max(1, x.shape[0] * x.shape[1]))
+        for i in range(0, x.shape[0], step):
+            d[i : i + step] = np.abs(x[i : i + step, None, :] - x[None, :, :]).sum(axis=2)
+    out: NDArray[np.float32] = np.maximum(d, 0.0).astype(np.float32)  # rounding can dip below 0
+    return out
+
+
+def _exact_knn(
+    x: NDArray[np.float32], k: int, metric: str
+) -> tuple[NDArray[np.int32], NDArray[np.float32], None]:
+    """Exact k nearest neighbours, each row starting with the point itself (UMAP's convention)."""
+    d = _pairwise(x, metric)
+    np.fill_diagonal(d, -1.0)  # self first even among exact duplicates
+    idx = np.argsort(d, axis=1, kind="stable")[:, :k]
+    dist = np.take_along_axis(d, idx, axis=1)
+    dist[:, 0] = 0.0
+    return idx.astype(np.int32), dist.astype(np.float32), None
+
+
+def _pca(x: NDArray[np.float32], dim: int, metric: str) -> NDArray[np.float64]:
+    """Project onto the top ``dim`` principal axes (fallback when UMAP cannot run)."""
+    y = (_unit_rows(x) if metric == "cosine" else x).astype(np.float64)
+    y = y - y.mean(axis=0)
+    u, s, _ = np.linalg.svd(y, full_matrices=False)
+    projected: NDArray[np.float64] = u[:, :dim] * s[:dim]
+    return projected
+
+
+def _bic_gmm_soft(
+    reduced: NDArray[np.float64], max_clusters: int, threshold: float, seed: int
+) -> list[NDArray[np.intp]]:
+    """Fit mixtures for k = 1, 2, …, keep the lowest BIC, and threshold its posteriors.
+
+    The sweep runs up to ``min(max_clusters, n - 1, distinct points)`` but stops early once
+    ``_BIC_PATIENCE`` consecutive k have not improved on the best BIC found.
+    """
+    mixture = require("sklearn.mixture", package="scikit-learn")
+    exceptions = require("sklearn.exceptions", package="scikit-learn")
+    n = reduced.shape[0]
+    distinct = len(np.unique(reduced, axis=0))
+    k_max = max(1, min(max_clusters, n - 1, distinct))
+    best: Any = None
+    best_bic = math.inf
+    since_best = 0
+    with warnings.catch_warnings():
+        # n_init=1 with modest max_iter may stop before full convergence; BIC still ranks k.
+        warnings.filterwarnings("ignore", category=exceptions.ConvergenceWarning)
+        for k in range(1, k_max + 1):
+            gm = mixture.GaussianMixture(
+                n_components=k,
+                covariance_type="full",  # the paper's choice; cheap at 10 dimensions
+                reg_covar=_REG_COVAR,
+                # k-means++ seeding instead of sklearn's default full k-means run: a third of the
+                # cost on the many small local fits; EM then refines the components either way.
+                init_params="k-means++",
+                n_init=1,
+                max_iter=100,
+                random_state=seed,
+            )
+            try:
+                gm.fit(reduced)
+                bic = float(gm.bic(reduced))
+            except (ValueError, np.linalg.LinAlgError) as exc:
+                # An ill-conditioned fit at this k: larger k would only be worse conditioned.
+                logger.debug("GMM with k=%d failed on %d points: %s", k, n, exc)
+                break
+            if math.isfinite(bic) and bic < best_bic:
+                best, best_bic, since_best = gm, bic, 0
+            else:
+                since_best += 1
+                if since_best >= _BIC_PATIENCE:
+                    break
+    if best is None or best.n_components == 1:
+        return [np.arange(n)]
+    probs = best.predict_proba(reduced)  # (n, k)
+    if not np.all(np.isfinite(probs)):
+        return [np.arange(n)]
+    member = probs >= threshold
+    # Nobody is orphaned: a point below the threshold everywhere joins its likeliest component.
+    member[np.arange(n), probs.argmax(axis=1)] = True
+    return [np.flatnonzero(member[:, j]) for j in range(member.shape[1]) if member[:, j].any()]
+
+
+def _enable_umap_jit_cache(umap: ModuleType) -> None:
+    """Turn on numba's on-disk cache for umap-learn's compiled kernels (once per process).
+
+    umap-learn declares most of its numba functions without ``cache=True``, so each new process
+    recompiles them on first use (about 4 s here for a 500-point fit, 8 s without
+    ``precomputed_knn``).  With the cache, numba stores the machine code next to umap's sources
+    (``umap/__pycache__``) or, where that is read-only, in its per-user cache directory, keyed and
+    invalidated by source file and numba version, exactly as for umap's own cached functions.
+    Any failure (no writable location, a numba without the API) leaves umap as it was.
+    """
+    global _jit_cache_enabled
+    if _jit_cache_enabled:
+        return
+    _jit_cache_enabled = True
+    try:
+        from numba.core.dispatcher import Dispatcher
+    except ImportError:  # pragma: no cover - umap always brings numba
+        return
+    import sys
+
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "umap" or name.startswith("umap.")):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, Dispatcher):
+                try:
+                    value.enable_caching()
+                    count += 1
+                except Exception as exc:  # a cache is an optimisation only: never fail on it
+                    logger.debug("numba cache not enabled for %r: %s", value, exc)
+    logger.debug("numba on-disk cache enabled for %d umap kernels", count)
+
+
+# -- token limits ------------------------------------------------------------------------------
+#: Re-clustering with the clusterer itself goes this deep at most; below, splits are 2-means.
+_MAX_RECLUSTER_DEPTH = 6
+#: Children of one split may hold at most this many times the parent's rows (soft overlap);
+#: more overlap than that would make the recursion's work grow geometrically.
+_MAX_OVERLAP = 1.5
+
+
+def cluster_within_limit(
+    clusterer: Clusterer,
+    vectors: NDArray[np.float32],
+    token_counts: Sequence[int],
+    max_tokens: int,
+) -> list[list[int]]:
+    """Cluster, then re-cluster every cluster whose texts exceed ``max_tokens`` (paper, §3).
+
+    The RAPTOR paper re-clusters recursively any cluster whose combined text would overflow the
+    summarisation model's context.  Here that recursion is bounded: when the clusterer makes no
+    progress on a subset (it returns the whole subset, leaves rows out, or overlaps heavily), or
+    after ``_MAX_RECLUSTER_DEPTH`` levels, the subset is split in two by a deterministic 2-means
+    (or, for identical vectors, in index order at the token midpoint).  Every split yields
+    strictly smaller subsets, so the process terminates.
+
+    A single row whose own token count exceeds ``max_tokens`` cannot be split here; it becomes
+    a cluster of its own (the summariser then has to truncate it).
+
+    Args:
+        clusterer: any :class:`~raptor_core.types.Clusterer`.
+        vectors: array of shape ``(n, d)``.
+        token_counts: tokens of each row's text, length ``n``.
+        max_tokens: the most tokens a cluster of two or more rows may hold in total.
+
+    Returns:
+        Clusters as sorted lists of row indices, without duplicates, in a deterministic order.
+        Every row is in at least one cluster; every cluster of two or more rows holds at most
+        ``max_tokens`` tokens.
+
+    Raises:
+        InvalidParameterError: ``max_tokens`` is not a positive integer, or the clusterer
+            returned indices out of range.
+        InvalidInputError: ``vectors`` is not 2-D, or ``token_counts`` has the wrong length or
+            negative counts.
+    """
+    if not _is_int(max_tokens) or max_tokens < 1:
+        msg = f"max_tokens must be a positive integer, got {max_tokens!r}"
+        raise InvalidParameterError(msg)
+    x = np.asarray(vectors)
+    if x.ndim != 2:
+        msg = f"vectors must be a 2-D array (n, d), got shape {x.shape}"
+        raise InvalidInputError(msg)
+    tokens = np.asarray(token_counts, dtype=np.int64).reshape(-1)
+    n = x.shape[0]
+    if tokens.shape[0] != n:
+        msg = f"token_counts has {tokens.shape[0]} entries for {n} vectors"
+        raise InvalidInputError(msg)
+    if n and tokens.min() < 0:
+        msg = "token_counts must not be negative"
+        raise InvalidInputError(msg)
+    if n == 0:
+        return []
+
+    everything = np.arange(n)
+    out: dict[tuple[int, ...], None] = {}  # insertion-ordered set
+    # Depth-first over an explicit stack: no recursion limit, output in a deterministic order.
+    stack: list[tuple[NDArray[np.intp], int]] = []
+    top = _clusterer_children(clusterer, x, everything)
+    for child in reversed(top):
+        stack.append((child, 1))
+    while stack:
+        members, depth = stack.pop()
+        if len(members) == 1 or int(tokens[members].sum()) <= max_tokens:
+            out.setdefault(tuple(members.tolist()), None)
+            continue
+        children: list[NDArray[np.intp]] | None = None
+        if depth <= _MAX_RECLUSTER_DEPTH and len(members) > 2:
+            children = _clusterer_children(clusterer, x, members)
+            if not _makes_progress(children, members):
+                logger.debug("re-clustering %d rows made no progress; splitting", len(members))
+                children = None
+        if children is None:
+            children = _split_in_two(x, tokens, members)
+        for child in reversed(children):
+            stack.append((child, depth + 1))
+    return [list(c) for c in out]
+
+
+def _clusterer_children(
+    clusterer: Clusterer, x: NDArray[Any], members: NDArray[np.intp]
+) -> list[NDArray[np.intp]]:
+    """Run ``clusterer`` on ``x[members]`` and map its clusters back to row indices.
+
+    Rows the clusterer left out are gathered into one extra cluster so coverage is kept.
+    """
+    raw = clusterer.cluster(x[members])
+    m = len(members)
+    covered = np.zeros(m, dtype=bool)
+    children: list[NDArray[np.intp]] = []
+    seen: set[tuple[int, ...]] = set()
+    for cluster in raw:
+        local = np.unique(np.asarray(list(cluster), dtype=np.intp))
+        if local.size == 0:
+            continue
+        if local[0] < 0 or local[-1] >= m:
+            msg = f"{type(clusterer).__name__}.cluster returned an index outside 0..{m - 1}"
+            raise InvalidParameterError(msg)
+        key = tuple(local.tolist())
+        if key in seen:
+            continue
+        seen.add(key)
+        covered[local] = True
+        children.append(members[local])
+    if not covered.all():
+        children.append(members[~covered])
+    return children
+
+
+def _makes_progress(children: list[NDArray[np.intp]], members: NDArray[np.intp]) -> bool:
+    if not children or any(len(c) >= len(members) for c in children):
+        return False
+    return sum(len(c) for c in children) <= _MAX_OVERLAP * len(members)
+
+
+def _split_in_two(
+    x: NDArray[Any], tokens: NDArray[np.int64], members: NDArray[np.intp]
+) -> list[NDArray[np.intp]]:
+    """Deterministic split of ``members`` (two or more rows) into two non-empty parts."""
+    sub = np.asarray(x[members], dtype=np.float64)
+    if len(members) > 2 and np.ptp(sub, axis=0).max() > 0:
+        cluster = require("sklearn.cluster", package="scikit-learn")
+        labels = cluster.KMeans(n_clusters=2, n_init=1, random_state=0).fit_predict(sub)
+        left, right = members[labels == labels[0]], members[labels != labels[0]]
+        if len(left) and len(right):
+            return [left, right]
+    # Identical vectors (or two rows): cut in index order where half the tokens are reached.
+    cumulative = np.cumsum(tokens[members])
+    cut = int(np.searchsorted(cumulative, cumulative[-1] / 2.0, side="left")) + 1
+    cut = min(max(cut, 1), len(members) - 1)
+    return [members[:cut], members[cut:]]

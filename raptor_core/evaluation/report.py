@@ -1,0 +1,177 @@
+"""Reports of an :class:`~raptor_core.evaluation.runner.EvalResult`: table, JSON, markdown, plot.
+
+rich and matplotlib are imported only when a report needs them; without rich the table is
+plain text.  The plot draws on a bare ``matplotlib.figure.Figure`` with the Agg canvas, so it
+never touches pyplot's global backend (safe inside notebooks and servers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from raptor_core._imports import require
+from raptor_core.evaluation.runner import EvalResult
+
+__all__ = ["LABELS", "format_table", "plot_recall", "print_table", "to_markdown", "write_json"]
+
+#: Short column labels of the metrics.
+LABELS = {
+    "evidence_recall": "evidence",
+    "answer_recall": "answer",
+    "span_recall": "span",
+    "span_precision": "span prec",
+}
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _table_rows(result: EvalResult) -> tuple[list[str], list[list[str]]]:
+    metrics = result.metrics
+    header = ["retriever", "budget", *(LABELS[m] for m in metrics), "tokens", "ms p50", "ms p95"]
+    rows = []
+    for budget in result.budgets:
+        for entry in (e for e in result.summary if e["budget"] == budget):
+            rows.append(
+                [
+                    entry["retriever"],
+                    str(budget),
+                    *(_fmt(entry[m]) for m in metrics),
+                    f"{entry['context_tokens']:.0f}",
+                    f"{entry['latency_ms_p50']:.1f}",
+                    f"{entry['latency_ms_p95']:.1f}",
+                ]
+            )
+    return header, rows
+
+
+def format_table(result: EvalResult) -> str:
+    """The summary as a plain-text table: one row per retriever and budget."""
+    header, rows = _table_rows(result)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in [header, *rows]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _notes(result: EvalResult) -> list[str]:
+    notes = []
+    builds = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in result.builds.items())
+    notes.append(f"index build: {builds}")
+    notes.extend(f"skipped {name}: {reason}" for name, reason in result.skipped.items())
+    return notes
+
+
+def print_table(result: EvalResult, *, file: IO[str] | None = None, rich: bool = True) -> None:
+    """Print the summary table (with rich when installed and ``rich`` is true), then notes."""
+    header, rows = _table_rows(result)
+    console = None
+    if rich:
+        try:
+            from rich.console import Console
+            from rich.table import Table
+        except ImportError:
+            console = None
+        else:
+            # Off a terminal rich assumes 80 columns; a table cut to fit would hide names.
+            width = sum(max(len(r[i]) for r in [header, *rows]) + 3 for i in range(len(header)))
+            console = Console(file=file, width=max(width + 2, 80))
+            table = Table(title=f"{result.config.get('questions')} questions, tree per {result.config.get('tree_per')}")
+            for i, name in enumerate(header):
+                table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+            last = None
+            for row in rows:
+                if last is not None and row[1] != last:
+                    table.add_section()
+                last = row[1]
+                table.add_row(*row)
+            console.print(table)
+            for note in _notes(result):
+                console.print(note, markup=False, highlight=False)
+            return
+    out = [format_table(result), *_notes(result)]
+    print("\n".join(out), file=file)
+
+
+def write_json(result: EvalResult, path: str | os.PathLike[str]) -> Path:
+    """Write :meth:`EvalResult.to_dict` to ``path`` (parents created) and return the path."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(result.to_dict(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return target
+
+
+def to_markdown(result: EvalResult, *, metrics: Sequence[str] | None = None) -> str:
+    """A markdown table: one row per retriever, ``metric @budget`` columns, then latency.
+
+    Args:
+        result: the run.
+        metrics: which metrics to show (default: all that have data).
+    """
+    metrics = list(result.metrics if metrics is None else metrics)
+    budgets = result.budgets
+    header = ["retriever"]
+    for m in metrics:
+        header += [f"{LABELS.get(m, m)} @{b}" for b in budgets]
+    header += [f"tokens @{budgets[-1]}", f"ms p50 @{budgets[-1]}"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name in result.retrievers:
+        cells = [name]
+        for m in metrics:
+            cells += [_fmt(result.score(name, b, m)) for b in budgets]
+        cells.append(f"{result.score(name, budgets[-1], 'context_tokens') or 0:.0f}")
+        cells.append(f"{result.score(name, budgets[-1], 'latency_ms_p50') or 0:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_recall(
+    result: EvalResult, path: str | os.PathLike[str], *, title: str | None = None
+) -> Path:
+    """Plot recall against token budget, one line per retriever, one panel per metric (PNG).
+
+    Raises:
+        MissingDependencyError: matplotlib is not installed.
+    """
+    require("matplotlib", extra="eval")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    metrics = [m for m in result.metrics if m != "span_precision"] or result.metrics
+    panels = max(1, len(metrics))
+    fig = Figure(figsize=(4.8 * panels, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    budgets = result.budgets
+    styles = ["-o", "-s", "-^", "-D", "-v", "--o", "--s", "--^", "--D", "--v", ":o", ":s"]
+    for ax, metric in zip(axes, metrics, strict=False):
+        for i, name in enumerate(result.retrievers):
+            points: list[tuple[int, Any]] = [(b, result.score(name, b, metric)) for b in budgets]
+            xs = [b for b, v in points if v is not None]
+            ys = [v for _, v in points if v is not None]
+            if xs:
+                ax.plot(xs, ys, styles[i % len(styles)], label=name, linewidth=1.5, markersize=4)
+        ax.set_xlabel("context budget (tokens)")
+        ax.set_ylabel(LABELS.get(metric, metric) + " recall" if "recall" in metric else metric)
+        ax.set_xticks(budgets)
+        ax.set_ylim(0.0, 1.02)
+        ax.grid(True, alpha=0.3)
+    if not metrics:
+        axes[0].text(0.5, 0.5, "no scorable questions", ha="center", va="center")
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside right center", fontsize="small")
+    if title:
+        fig.suptitle(title)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=120)
+    return target

@@ -1,0 +1,687 @@
+"""Run retrievers side by side at equal token budgets and score them.
+
+The flow of :func:`evaluate`:
+
+1. build one RAPTOR tree per document (``tree_per="doc"``) or one over all of them
+   (``"all"``), or load it from ``cache_dir`` when an identical build is cached there;
+2. build every retriever over each tree's corpus (timed: "index build");
+3. for every question, budget and retriever: retrieve (timed: latency), cut the texts to
+   the budget with the shared tokenizer, and score them (:mod:`~raptor_core.evaluation.metrics`);
+4. average per retriever and budget.
+
+A retriever here is anything with ``retrieve(question, *, max_tokens) -> list[str]``
+(:class:`ContextRetriever`); a :class:`RetrieverSpec` names a factory that builds one from
+an :class:`EvalCorpus`.  Names resolve to the RAPTOR strategies, the core baselines
+(``bm25``, ``dense``), baselines that other packages register under the entry-point group
+``raptor.eval_baselines`` (the LlamaIndex and LangChain default retrievers), or a dotted
+path ``package.module:Factory``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import inspect
+import json
+import logging
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from raptor_core._version import __version__
+from raptor_core.evaluation.data import Question, check_questions, gold_units
+from raptor_core.evaluation.metrics import (
+    DEFAULT_NGRAM,
+    Context,
+    answer_recall,
+    evidence_recall,
+    fit_budget,
+    span_precision,
+    span_recall,
+)
+from raptor_core.exceptions import (
+    InvalidInputError,
+    InvalidParameterError,
+    MissingDependencyError,
+    TreeFormatError,
+)
+from raptor_core.tree import Tree
+from raptor_core.types import LLM, Document, Embedder, Summarizer, Tokenizer
+
+__all__ = [
+    "BASELINE_ENTRY_POINTS",
+    "CORE_BASELINES",
+    "DEFAULT_BUDGETS",
+    "METRICS",
+    "ContextRetriever",
+    "EvalCorpus",
+    "EvalResult",
+    "RaptorStrategy",
+    "RetrieverSpec",
+    "available_retrievers",
+    "environment",
+    "evaluate",
+    "resolve_retrievers",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The paper's context budgets (RAPTOR, section 4: 400 tokens for small readers, 2,000).
+DEFAULT_BUDGETS: tuple[int, ...] = (400, 1000, 2000)
+#: Entry-point group where packages register evaluation baselines (factories of corpus).
+BASELINE_ENTRY_POINTS = "raptor.eval_baselines"
+#: Recall-type metrics, in report order.
+METRICS: tuple[str, ...] = ("evidence_recall", "answer_recall", "span_recall", "span_precision")
+#: Effectively unbounded ``k`` for the RAPTOR strategies: the budget decides.
+_RAPTOR_K = 1000
+_CACHE_KEY_FILE = "eval-key.json"
+
+#: ``progress(stage, done, total)``, stages ``"trees"``, ``"indexes"`` and ``"questions"``.
+ProgressCallback = Callable[[str, int, int], None]
+
+
+@runtime_checkable
+class ContextRetriever(Protocol):
+    """What the harness evaluates: question in, context texts out (best first)."""
+
+    def retrieve(self, question: str, *, max_tokens: int) -> list[str]:
+        """Return context texts for ``question``; the harness cuts them at ``max_tokens``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvalCorpus:
+    """What a retriever factory gets: the documents, their RAPTOR tree and the shared models.
+
+    Attributes:
+        name: the document id (``tree_per="doc"``) or ``"all"``.
+        documents: the documents of this corpus.
+        tree: the RAPTOR tree over them; ``tree.leaves`` are the shared ~100-token chunks.
+        embedder: the embedding model every retriever must use.
+        tokenizer: counts tokens for the budgets.
+        llm: the configured LLM, or None.
+        random_state: the run's seed.
+    """
+
+    name: str
+    documents: tuple[Document, ...]
+    tree: Tree
+    embedder: Embedder
+    tokenizer: Tokenizer
+    llm: LLM | None = None
+    random_state: int | None = None
+
+    @property
+    def chunks(self) -> list[str]:
+        """The texts of the tree's leaves, in tree order."""
+        return [leaf.text for leaf in self.tree.leaves]
+
+
+RetrieverFactory = Callable[[EvalCorpus], ContextRetriever]
+
+
+@dataclass(frozen=True, slots=True)
+class RetrieverSpec:
+    """A named retriever factory.
+
+    Attributes:
+        name: the column label in reports.
+        factory: builds the retriever for one corpus.
+        family: ``"raptor"``, ``"baseline"`` (core), ``"framework"`` (entry point) or
+            ``"custom"`` (dotted path).
+    """
+
+    name: str
+    factory: RetrieverFactory
+    family: str = "custom"
+
+
+class _HitsRetriever:
+    """Adapts a RAPTOR strategy (``retrieve(query, k=, max_tokens=) -> list[Hit]``)."""
+
+    def __init__(self, strategy: str, corpus: EvalCorpus, params: Mapping[str, Any]) -> None:
+        self.strategy = strategy
+        self.corpus = corpus
+        self.params = dict(params)
+        self._by_budget: dict[int, Any] = {}
+
+    def _params_for(self, max_tokens: int) -> dict[str, Any]:
+        params = {"k": _RAPTOR_K, **self.params}
+        tree = self.corpus.tree
+        if self.strategy == "traversal" and "top_k" not in params and tree.num_layers:
+            # Traversal returns at most top_k nodes per layer; at its default (5) it cannot
+            # fill a 2,000-token budget on a shallow tree.  Scale it so it can, as the paper
+            # does when it compares traversal and collapsed at equal context sizes.
+            per_node = max(1.0, float(tree.token_counts.mean()))
+            params["top_k"] = max(5, math.ceil(max_tokens / (per_node * tree.num_layers)))
+        return params
+
+    def retrieve(self, question: str, *, max_tokens: int) -> list[str]:
+        retriever = self._by_budget.get(max_tokens)
+        if retriever is None:
+            from raptor_core.strategies import make_retriever
+
+            retriever = make_retriever(
+                self.strategy,
+                self.corpus.tree,
+                self.corpus.embedder,
+                llm=self.corpus.llm,
+                **self._params_for(max_tokens),
+            )
+            self._by_budget[max_tokens] = retriever
+        hits = retriever.retrieve(question, max_tokens=max_tokens)
+        return [hit.node.text for hit in hits]
+
+
+class RaptorStrategy:
+    """Factory of a RAPTOR retrieval strategy over each corpus's tree.
+
+    Args:
+        strategy: a name of :data:`raptor_core.strategies.STRATEGIES`.
+        **params: the strategy's parameters (``k`` defaults to unbounded: the budget
+            decides; traversal's ``top_k`` scales with the budget unless given).
+    """
+
+    def __init__(self, strategy: str, **params: Any) -> None:
+        self.strategy = strategy
+        self.params = params
+
+    def __repr__(self) -> str:
+        return f"RaptorStrategy({self.strategy!r}, **{self.params!r})"
+
+    def __call__(self, corpus: EvalCorpus) -> ContextRetriever:
+        return _HitsRetriever(self.strategy, corpus, self.params)
+
+
+def _core_baselines() -> dict[str, RetrieverFactory]:
+    from raptor_core.evaluation.baselines import BM25Baseline, DenseBaseline
+
+    return {"bm25": BM25Baseline, "dense": DenseBaseline}
+
+
+#: Names of the baselines that ship with raptor_core.
+CORE_BASELINES: tuple[str, ...] = ("bm25", "dense")
+_NEEDS_LLM = ("llm", "hybrid")
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    eps = importlib.metadata.entry_points(group=BASELINE_ENTRY_POINTS)
+    return {ep.name: ep for ep in sorted(eps, key=lambda e: e.name)}
+
+
+def available_retrievers(*, llm: bool = False) -> list[str]:
+    """Default retriever names: RAPTOR strategies, core baselines, registered baselines.
+
+    ``llm`` and ``hybrid`` are included only when ``llm`` is true (they need one).
+    """
+    from raptor_core.strategies import STRATEGIES
+
+    names = [s for s in STRATEGIES if llm or s not in _NEEDS_LLM]
+    return [*names, *CORE_BASELINES, *_entry_points()]
+
+
+def _load_dotted(path: str) -> RetrieverFactory:
+    module_name, _, attr = path.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as exc:
+        msg = f"cannot load retriever factory {path!r}: {type(exc).__name__}: {exc}"
+        raise InvalidParameterError(msg) from exc
+    if not callable(target):
+        msg = f"retriever factory {path!r} is not callable"
+        raise InvalidParameterError(msg)
+    return target  # type: ignore[no-any-return]
+
+
+def resolve_retrievers(
+    names: Iterable[str | RetrieverSpec] | None, *, llm: LLM | None = None
+) -> tuple[list[RetrieverSpec], dict[str, str]]:
+    """Turn names into specs; return them and the skipped ones with the reason.
+
+    Accepted names: the RAPTOR strategies, ``bm25``, ``dense``, the entry points of
+    :data:`BASELINE_ENTRY_POINTS`, ``package.module:Factory`` or ``label=package.module:Factory``.
+    A baseline whose framework is not installed, or an LLM strategy without an LLM, is
+    skipped (with the reason), not an error.
+
+    Raises:
+        InvalidParameterError: an unknown name, a duplicate, or an unloadable dotted path.
+    """
+    from raptor_core.strategies import STRATEGIES
+
+    requested = list(available_retrievers(llm=llm is not None) if names is None else names)
+    core = _core_baselines()
+    eps = _entry_points()
+    specs: list[RetrieverSpec] = []
+    skipped: dict[str, str] = {}
+    for item in requested:
+        if isinstance(item, RetrieverSpec):
+            specs.append(item)
+            continue
+        name = item.strip()
+        if name in STRATEGIES:
+            if name in _NEEDS_LLM and llm is None:
+                skipped[name] = "needs an LLM (pass llm=..., or --llm on the command line)"
+                continue
+            specs.append(RetrieverSpec(name, RaptorStrategy(name), "raptor"))
+        elif name in core:
+            specs.append(RetrieverSpec(name, core[name], "baseline"))
+        elif name in eps:
+            try:
+                factory = eps[name].load()
+            except ImportError as exc:  # MissingDependencyError is an ImportError too
+                skipped[name] = f"not installed ({exc})"
+                logger.info("skipping %s: %s", name, exc)
+                continue
+            specs.append(RetrieverSpec(name, factory, "framework"))
+        elif ":" in name:
+            label, _, path = name.rpartition("=")
+            specs.append(RetrieverSpec(label or path, _load_dotted(path), "custom"))
+        else:
+            known = [*STRATEGIES, *CORE_BASELINES, *eps]
+            hint = ""
+            if name.startswith(("llamaindex", "langchain")):
+                hint = (
+                    " (framework baselines are registered by the raptor-retriever "
+                    "distribution: `pip install 'raptor-retriever[eval]'`)"
+                )
+            msg = f"unknown retriever {name!r}; known: {', '.join(known)}, or module:Factory{hint}"
+            raise InvalidParameterError(msg)
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            msg = f"retriever {spec.name!r} is listed twice"
+            raise InvalidParameterError(msg)
+        seen.add(spec.name)
+    return specs, skipped
+
+
+# -- trees ---------------------------------------------------------------------------------------
+def _describe(component: object) -> Any:
+    from raptor_core.builder import describe
+
+    return None if component is None else describe(component)
+
+
+def _slug(name: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:80]
+    if slug != name or not slug:
+        slug = f"{slug or 'doc'}-{hashlib.sha1(name.encode('utf-8')).hexdigest()[:8]}"
+    return slug
+
+
+def _component_key(component: object) -> Any:
+    """Class and constructor parameters of a component (not its state, such as call counters)."""
+    if component is None:
+        return None
+    cls = type(component)
+    get_params = getattr(component, "get_params", None)
+    if callable(get_params):
+        params = get_params()
+    else:
+        try:
+            names = [n for n in inspect.signature(cls.__init__).parameters if n != "self"]
+        except (TypeError, ValueError):
+            names = []
+        params = {n: getattr(component, n) for n in names if hasattr(component, n)}
+    scalars = {
+        k: v for k, v in sorted(params.items()) if v is None or isinstance(v, str | int | float | bool)
+    }
+    return [f"{cls.__module__}.{cls.__qualname__}", scalars]
+
+
+def _build_key(documents: Sequence[Document], builder: Any) -> str:
+    payload = {
+        "raptor_core": __version__,
+        "builder": builder.get_params(),
+        "embedder": _component_key(builder.embedder),
+        "summarizer": _component_key(builder.summarizer),
+        "tokenizer": _component_key(builder.tokenizer),
+        "chunker": _component_key(builder.chunker),
+        "clusterer": _component_key(builder.clusterer),
+        "documents": [[d.doc_id, hashlib.sha256(d.text.encode("utf-8")).hexdigest()] for d in documents],
+    }
+    blob = json.dumps(payload, sort_keys=True, default=str).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()
+
+
+def _tree_for(
+    documents: Sequence[Document], builder: Any, cache: Path | None, name: str
+) -> tuple[Tree, float, bool]:
+    """The tree over ``documents`` and its build seconds; from the cache when it matches."""
+    key = _build_key(documents, builder)
+    directory = None if cache is None else cache / _slug(name)
+    if directory is not None and (directory / _CACHE_KEY_FILE).is_file():
+        try:
+            meta = json.loads((directory / _CACHE_KEY_FILE).read_text(encoding="utf-8"))
+            if meta.get("key") == key:
+                tree = Tree.load(directory)
+                return tree, float(meta.get("build_seconds", 0.0)), True
+        except (OSError, ValueError, TreeFormatError) as exc:
+            logger.warning("ignoring the cached tree in %s: %s", directory, exc)
+    started = time.perf_counter()
+    tree = builder.build(list(documents))
+    seconds = time.perf_counter() - started
+    if directory is not None:
+        tree.save(directory)
+        meta = {"key": key, "build_seconds": seconds, "doc_ids": [d.doc_id for d in documents]}
+        (directory / _CACHE_KEY_FILE).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    return tree, seconds, False
+
+
+# -- results -------------------------------------------------------------------------------------
+def _mean(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.floor(q * len(ordered)))] if ordered else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalResult:
+    """The outcome of :func:`evaluate`.
+
+    Attributes:
+        config: how the run was set up (budgets, tree_per, models, seed, counts).
+        rows: one dict per (question, retriever, budget): the metrics (None where the
+            question has no gold of that kind), ``context_tokens``, ``latency_ms``.
+        summary: one dict per (retriever, budget): the means of the metrics over the
+            questions that have them (``n_<metric>`` says how many), mean context tokens,
+            and latency mean/p50/p95 in milliseconds.
+        builds: per retriever, seconds spent building its indexes over all corpora
+            (``"raptor tree"``: building the trees, shared by the RAPTOR strategies).
+        skipped: retrievers that were requested but could not run, with the reason.
+        environment: Python, platform, CPU and package versions.
+    """
+
+    config: dict[str, Any]
+    rows: list[dict[str, Any]]
+    summary: list[dict[str, Any]]
+    builds: dict[str, float]
+    skipped: dict[str, str] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def retrievers(self) -> list[str]:
+        """Retriever names, in run order."""
+        return list(dict.fromkeys(row["retriever"] for row in self.summary))
+
+    @property
+    def budgets(self) -> list[int]:
+        """Token budgets, ascending."""
+        return sorted({int(row["budget"]) for row in self.summary})
+
+    @property
+    def metrics(self) -> list[str]:
+        """The metrics of :data:`METRICS` that at least one question could be scored on."""
+        return [m for m in METRICS if any(row.get(m) is not None for row in self.summary)]
+
+    def score(self, retriever: str, budget: int, metric: str) -> float | None:
+        """The mean of ``metric`` for one retriever at one budget."""
+        for row in self.summary:
+            if row["retriever"] == retriever and row["budget"] == budget:
+                value = row.get(metric)
+                return None if value is None else float(value)
+        msg = f"no result for retriever {retriever!r} at budget {budget}"
+        raise KeyError(msg)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (what ``results.json`` holds)."""
+        return {
+            "config": self.config,
+            "environment": self.environment,
+            "builds": self.builds,
+            "skipped": self.skipped,
+            "summary": self.summary,
+            "rows": self.rows,
+        }
+
+
+def _summarize(rows: Sequence[Mapping[str, Any]], names: Sequence[str], budgets: Sequence[int]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for name in names:
+        for budget in budgets:
+            group = [r for r in rows if r["retriever"] == name and r["budget"] == budget]
+            if not group:
+                continue
+            latencies = [float(r["latency_ms"]) for r in group]
+            entry: dict[str, Any] = {"retriever": name, "budget": budget, "questions": len(group)}
+            for metric in METRICS:
+                values = [r[metric] for r in group if r[metric] is not None]
+                entry[metric] = _mean(values)
+                entry[f"n_{metric}"] = len(values)
+            entry["context_tokens"] = _mean(float(r["context_tokens"]) for r in group)
+            entry["latency_ms_mean"] = statistics.fmean(latencies)
+            entry["latency_ms_p50"] = _quantile(latencies, 0.5)
+            entry["latency_ms_p95"] = _quantile(latencies, 0.95)
+            out.append(entry)
+    return out
+
+
+def environment() -> dict[str, Any]:
+    """Where the run happened: Python, OS, CPU model and count, key package versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    versions: dict[str, str] = {"raptor-retriever": __version__}
+    for dist in ("sentence-transformers", "torch", "llama-index-core", "langchain-core", "bm25s"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    affinity = getattr(os, "sched_getaffinity", None)
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpus": len(affinity(0)) if affinity is not None else os.cpu_count(),
+        "versions": versions,
+    }
+
+
+# -- the run -------------------------------------------------------------------------------------
+def _check_budgets(budgets: Sequence[int]) -> list[int]:
+    if isinstance(budgets, int) or not budgets:
+        msg = f"budgets must be a non-empty list of positive integers, got {budgets!r}"
+        raise InvalidParameterError(msg)
+    out = []
+    for b in budgets:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            msg = f"budgets must be positive integers, got {b!r}"
+            raise InvalidParameterError(msg)
+        out.append(int(b))
+    return sorted(set(out))
+
+
+def evaluate(
+    documents: Sequence[Document],
+    questions: Sequence[Question],
+    *,
+    retrievers: Iterable[str | RetrieverSpec] | None = None,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    tree_per: str = "doc",
+    embedder: Embedder | None = None,
+    summarizer: Summarizer | None = None,
+    tokenizer: Tokenizer | None = None,
+    llm: LLM | None = None,
+    builder_params: Mapping[str, Any] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    random_state: int | None = 0,
+    ngram: int = DEFAULT_NGRAM,
+    progress: ProgressCallback | None = None,
+) -> EvalResult:
+    """Build trees, run every retriever at every budget on every question, and score them.
+
+    Args:
+        documents: the documents (:func:`~raptor_core.evaluation.data.load_documents`).
+        questions: the questions (:func:`~raptor_core.evaluation.data.load_questions`); only
+            documents with questions are indexed.
+        retrievers: names or specs (see :func:`resolve_retrievers`); None = all available.
+        budgets: context budgets in tokens of ``tokenizer``; the paper's 400/1,000/2,000.
+        tree_per: ``"doc"`` builds one tree (and one index per baseline) per document and
+            searches only the question's document; ``"all"`` builds one over all documents.
+        embedder: the embedding model shared by every retriever (default: the packaged
+            all-MiniLM-L6-v2).
+        summarizer: the tree's summariser (default: the offline extractive one).
+        tokenizer: counts budget tokens and builds chunks (default: ``cl100k_base``).
+        llm: enables the ``llm`` and ``hybrid`` strategies.
+        builder_params: extra :class:`~raptor_core.builder.TreeBuilder` parameters
+            (``chunk_max_tokens``, ``max_layers``, ...).
+        cache_dir: trees are saved under ``cache_dir/<doc_id>`` and reused by later runs
+            with the same documents, models and parameters.
+        random_state: seed of the tree builds.
+        ngram: run length of the text-matching metrics (see
+            :mod:`~raptor_core.evaluation.metrics`).
+        progress: ``progress(stage, done, total)`` callback.
+
+    Raises:
+        InvalidInputError: no questions, or a question about a document not given.
+        InvalidParameterError: a bad budget, ``tree_per`` or retriever name.
+    """
+    from raptor_core.builder import TreeBuilder
+    from raptor_core.tokenizers import default_tokenizer
+
+    budgets = _check_budgets(budgets)
+    if tree_per not in ("doc", "all"):
+        msg = f"tree_per must be 'doc' or 'all', got {tree_per!r}"
+        raise InvalidParameterError(msg)
+    questions = list(questions)
+    if not questions:
+        msg = "no questions to evaluate"
+        raise InvalidInputError(msg)
+    check_questions(questions, documents)
+    specs, skipped = resolve_retrievers(retrievers, llm=llm)
+    if not specs:
+        msg = f"no retriever can run: {skipped}"
+        raise InvalidParameterError(msg)
+    if embedder is None:
+        from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
+
+        embedder = SentenceTransformerEmbedder()
+    tokenizer = tokenizer if tokenizer is not None else default_tokenizer()
+    builder = TreeBuilder(
+        embedder,
+        summarizer,
+        tokenizer=tokenizer,
+        random_state=random_state,
+        **dict(builder_params or {}),
+    )
+    asked = {q.doc_id for q in questions}
+    docs = [d for d in documents if d.doc_id in asked]
+    groups = [(d.doc_id, [d]) for d in docs] if tree_per == "doc" else [("all", docs)]
+    cache = None if cache_dir is None else Path(cache_dir)
+    texts = {d.doc_id: d.text for d in docs}
+
+    builds: dict[str, float] = {"raptor tree": 0.0, **{s.name: 0.0 for s in specs}}
+    tree_stats = {"trees": 0, "cached": 0, "nodes": 0, "leaves": 0}
+    rows: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
+    n_done, n_total = 0, len(questions)
+    for g, (name, group_docs) in enumerate(groups):
+        tree, seconds, cached = _tree_for(group_docs, builder, cache, name)
+        builds["raptor tree"] += seconds
+        tree_stats["trees"] += 1
+        tree_stats["cached"] += int(cached)
+        tree_stats["nodes"] += len(tree)
+        tree_stats["leaves"] += len(tree.leaves)
+        if progress is not None:
+            progress("trees", g + 1, len(groups))
+        corpus = EvalCorpus(
+            name=name,
+            documents=tuple(group_docs),
+            tree=tree,
+            embedder=embedder,
+            tokenizer=tokenizer,
+            llm=llm,
+            random_state=random_state,
+        )
+        built: list[tuple[str, ContextRetriever]] = []
+        for spec in specs:
+            if spec.name in failed:
+                continue
+            started = time.perf_counter()
+            try:
+                retriever = spec.factory(corpus)
+            except MissingDependencyError as exc:
+                failed[spec.name] = f"not installed ({exc})"
+                logger.warning("skipping %s: %s", spec.name, exc)
+                continue
+            builds[spec.name] += time.perf_counter() - started
+            built.append((spec.name, retriever))
+        ids = {d.doc_id for d in group_docs}
+        for question in (q for q in questions if q.doc_id in ids):
+            units = gold_units(question, texts[question.doc_id])
+            # Interleave retrievers per question, so caches and machine load hit all alike.
+            for budget in budgets:
+                for spec_name, retriever in built:
+                    started = time.perf_counter()
+                    raw = retriever.retrieve(question.question, max_tokens=budget)
+                    latency = (time.perf_counter() - started) * 1000.0
+                    kept, used, cut = fit_budget(list(raw), budget, tokenizer)
+                    ctx = Context.from_texts(kept, ngram=ngram)
+                    rows.append(
+                        {
+                            "doc_id": question.doc_id,
+                            "question_id": question.question_id,
+                            "retriever": spec_name,
+                            "budget": budget,
+                            "evidence_recall": evidence_recall(question.evidence, ctx),
+                            "answer_recall": answer_recall(question.answers, ctx),
+                            "span_recall": span_recall(units, ctx) if units else None,
+                            "span_precision": span_precision(units, ctx) if units else None,
+                            "context_tokens": used,
+                            "texts": len(kept),
+                            "cut": cut,
+                            "latency_ms": latency,
+                        }
+                    )
+            n_done += 1
+            if progress is not None:
+                progress("questions", n_done, n_total)
+    skipped.update(failed)
+    names = [s.name for s in specs if s.name not in failed]
+    for name in failed:
+        builds.pop(name, None)
+        rows = [r for r in rows if r["retriever"] != name]
+    config = {
+        "budgets": budgets,
+        "tree_per": tree_per,
+        "retrievers": names,
+        "documents": len(docs),
+        "questions": len(questions),
+        "embedder": _describe(embedder),
+        "summarizer": _describe(summarizer) or "ExtractiveSummarizer (default)",
+        "tokenizer": _describe(tokenizer),
+        "llm": _describe(llm),
+        "builder": builder.get_params(),
+        "random_state": random_state,
+        "ngram": ngram,
+        **tree_stats,
+    }
+    return EvalResult(
+        config=config,
+        rows=rows,
+        summary=_summarize(rows, names, budgets),
+        builds=builds,
+        skipped=skipped,
+        environment=environment(),
+    )

@@ -1,0 +1,86 @@
+"""Exceptions raised by raptor_core.
+
+The hierarchy::
+
+    RaptorError
+    ├── InvalidParameterError (also ValueError)   a parameter is out of range or of the wrong kind
+    ├── InvalidInputError (also ValueError)       a document or query cannot be used (empty, binary, …)
+    ├── MissingDependencyError (also ImportError) an optional package is not installed
+    ├── TreeFormatError (also ValueError)         a saved tree is truncated, edited or foreign
+    └── BackendError                              a model or service failed
+        ├── EmbeddingError                        the embedder failed or returned unusable vectors
+        ├── SummarizationError                    the summariser failed or returned nothing usable
+        └── LLMError                              a chat/completion model failed or returned garbage
+            ├── LLMTimeoutError                   it did not answer in time, even after retries
+            ├── LLMAuthenticationError            credentials rejected or missing: retrying cannot help
+            └── LLMRequestError                   request rejected (unknown model, bad parameter)
+
+Dual inheritance keeps ``except ValueError`` / ``except ImportError`` working for
+callers that do not know about this package, as scikit-learn does with
+``NotFittedError(ValueError, AttributeError)``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "EmbeddingError",
+    "InvalidInputError",
+    "InvalidParameterError",
+    "LLMAuthenticationError",
+    "LLMError",
+    "LLMRequestError",
+    "LLMTimeoutError",
+    "MissingDependencyError",
+    "RaptorError",
+    "SummarizationError",
+    "TreeFormatError",
+]
+
+
+class RaptorError(Exception):
+    """Base class of every error raised on purpose by this package."""
+
+
+class InvalidParameterError(RaptorError, ValueError):
+    """A parameter has an invalid value (raised where the parameter is used)."""
+
+
+class InvalidInputError(RaptorError, ValueError):
+    """Input data (a document, a file, a query) cannot be processed."""
+
+
+class MissingDependencyError(RaptorError, ImportError):
+    """An optional dependency is missing; the message names the command that installs it."""
+
+
+class TreeFormatError(RaptorError, ValueError):
+    """A saved tree cannot be loaded: missing, truncated, edited or not a RAPTOR tree."""
+
+
+class BackendError(RaptorError):
+    """A model or remote service failed."""
+
+
+class EmbeddingError(BackendError):
+    """The embedder failed or returned unusable vectors (wrong shape, NaN, all zeros)."""
+
+
+class SummarizationError(BackendError):
+    """The summariser failed or returned an unusable summary."""
+
+
+class LLMError(BackendError):
+    """A chat/completion model failed or returned unusable output."""
+
+
+class LLMTimeoutError(LLMError):
+    """A model call timed out, after all retries."""
+
+
+class LLMAuthenticationError(LLMError):
+    """The service rejected the credentials (bad, missing or unauthorised key): retrying cannot help."""
+
+
+class LLMRequestError(LLMError):
+    """The service rejected the request itself (unknown model, bad parameter): retrying cannot help."""

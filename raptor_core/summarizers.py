@@ -1,0 +1,188 @@
+"""Summarisers: the offline extractive default, and an adapter that turns any LLM into one."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.typing import NDArray
+
+from raptor_core.exceptions import EmbeddingError, InvalidParameterError, SummarizationError
+from raptor_core.types import DEFAULT_SUMMARY_PROMPT, LLM, AsyncLLM, Embedder, Tokenizer
+
+__all__ = ["ExtractiveSummarizer", "LLMSummarizer"]
+
+
+class ExtractiveSummarizer:
+    """Offline summariser: picks the sentences that best *cover* the cluster, within a budget.
+
+    Every sentence of the cluster is embedded; the summary is the set ``S`` of sentences that
+    greedily maximises the facility-location coverage ``sum_i max_{j in S} sim(i, j)`` (each
+    sentence of the cluster is "represented" by its most similar selected sentence), subject
+    to ``sum_{j in S} tokens(j) <= max_tokens``.  Coverage rewards picking sentences from
+    *different* sub-topics of a cluster, unlike taking the sentences nearest the centroid,
+    which tends to repeat one theme.  Candidates are ranked by gain / sqrt(tokens), a middle
+    ground between favouring short sentences (gain / tokens) and ignoring cost.  The chosen
+    sentences are returned in their original order so the summary reads naturally.
+
+    Args:
+        embedder: embeds sentences (the tree's embedder by default, set by TreeBuilder).
+        tokenizer: counts tokens (``default_tokenizer()`` when None).
+    """
+
+    def __init__(self, embedder: Embedder | None = None, *, tokenizer: Tokenizer | None = None) -> None:
+        self.embedder = embedder
+        self.tokenizer = tokenizer
+
+    def __repr__(self) -> str:
+        return f"ExtractiveSummarizer(embedder={self.embedder!r})"
+
+    def _resolved(self) -> tuple[Embedder, Tokenizer]:
+        if self.embedder is None:
+            msg = "ExtractiveSummarizer needs an embedder: pass one, or let TreeBuilder supply its own"
+            raise InvalidParameterError(msg)
+        if self.tokenizer is None:
+            from raptor_core.tokenizers import default_tokenizer
+
+            self.tokenizer = default_tokenizer()
+        return self.embedder, self.tokenizer
+
+    def summarize(self, texts: Sequence[str], *, max_tokens: int) -> str:
+        """Summarise one cluster."""
+        return self.summarize_batch([texts], max_tokens=max_tokens)[0]
+
+    def summarize_batch(self, clusters: Sequence[Sequence[str]], *, max_tokens: int) -> list[str]:
+        """Summarise many clusters with one embedding call for all their sentences."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            msg = f"max_tokens must be a positive integer, got {max_tokens!r}"
+            raise InvalidParameterError(msg)
+        from raptor_core.chunking import split_sentences
+        from raptor_core.tokenizers import count_tokens
+
+        embedder, tokenizer = self._resolved()
+        per_cluster: list[list[str]] = []
+        for texts in clusters:
+            seen: dict[str, None] = {}
+            for text in texts:
+                for start, end in split_sentences(text):
+                    sentence = " ".join(text[start:end].split())
+                    if sentence:
+                        # Soft clustering shares text between clusters, and documents repeat
+                        # themselves: count each distinct sentence once.
+                        seen.setdefault(sentence, None)
+            per_cluster.append(list(seen))
+        flat = [s for sentences in per_cluster for s in sentences]
+        if not flat:
+            return ["" for _ in clusters]
+        vectors = np.asarray(embedder.embed_documents(flat), dtype=np.float32)
+        if vectors.shape[0] != len(flat) or not np.all(np.isfinite(vectors)):
+            msg = "the embedder returned the wrong number of vectors or NaN values for summary sentences"
+            raise EmbeddingError(msg)
+        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        vectors = vectors / np.where(norms == 0.0, 1.0, norms)
+
+        out: list[str] = []
+        offset = 0
+        for sentences in per_cluster:
+            block = vectors[offset : offset + len(sentences)]  # (n_sentences, d)
+            offset += len(sentences)
+            costs = np.array([max(1, count_tokens(tokenizer, s)) for s in sentences], dtype=np.float64)
+            chosen = _greedy_coverage(block, costs, float(max_tokens))
+            if not chosen and sentences:
+                # Every sentence is longer than the budget: cut the most central one at a
+                # token boundary rather than return nothing.
+                best = int(np.argmax(block @ block.mean(axis=0)))
+                ids = tokenizer.encode(sentences[best])[:max_tokens]
+                out.append(tokenizer.decode(ids).strip())
+                continue
+            out.append(_join_sentences([sentences[i] for i in sorted(chosen)]))
+        return out
+
+
+def _join_sentences(sentences: list[str]) -> str:
+    """Join sentences so that they split back into the same sentences.
+
+    A sentence without closing punctuation (a heading, a list item) gets a line break after
+    it; joined with a space it would run into the next sentence.
+    """
+    parts: list[str] = []
+    for sentence in sentences:
+        if parts:
+            parts.append(" " if parts[-1][-1] in _TERMINAL else "\n")
+        parts.append(sentence)
+    return "".join(parts)
+
+
+_TERMINAL = frozenset(".!?…‽。！？｡\"'”’)]»")
+
+
+def _greedy_coverage(vectors: NDArray[np.float32], costs: NDArray[np.float64], budget: float) -> list[int]:
+    """Budgeted greedy maximisation of facility-location coverage; returns chosen indices."""
+    n = vectors.shape[0]
+    sim = np.clip(vectors @ vectors.T, 0.0, 1.0)  # (n, n); negative similarity covers nothing
+    covered = np.zeros(n, dtype=np.float64)  # how well each sentence is represented so far
+    chosen: list[int] = []
+    available = np.ones(n, dtype=bool)
+    remaining = budget
+    while True:
+        available &= costs <= remaining
+        if not available.any():
+            break
+        # gain[j] = sum_i max(0, sim[i, j] - covered[i])
+        gains = np.maximum(sim - covered[:, None], 0.0).sum(axis=0)
+        ratio = np.where(available, gains / np.sqrt(costs), -np.inf)
+        j = int(np.argmax(ratio))
+        if gains[j] <= 1e-9:
+            break
+        chosen.append(j)
+        covered = np.maximum(covered, sim[:, j])
+        remaining -= costs[j]
+        available[j] = False
+    return chosen
+
+
+class LLMSummarizer:
+    """A :class:`~raptor_core.types.Summarizer` over any :class:`~raptor_core.types.LLM`.
+
+    Args:
+        llm: the model (``complete(prompt, max_tokens=...)``, optionally ``acomplete``).
+        prompt: template with a ``{context}`` placeholder; the paper's prompt by default.
+        separator: joins the cluster's texts into the context.
+    """
+
+    def __init__(self, llm: LLM, *, prompt: str = DEFAULT_SUMMARY_PROMPT, separator: str = "\n\n") -> None:
+        self.llm = llm
+        self.prompt = prompt
+        self.separator = separator
+
+    def __repr__(self) -> str:
+        return f"LLMSummarizer(llm={self.llm!r})"
+
+    def render(self, texts: Sequence[str]) -> str:
+        """The prompt sent for a cluster."""
+        if "{context}" not in self.prompt:
+            msg = "the summary prompt template must contain a '{context}' placeholder"
+            raise InvalidParameterError(msg)
+        # str.replace, not str.format: cluster text and user templates may contain braces.
+        return self.prompt.replace("{context}", self.separator.join(texts))
+
+    @staticmethod
+    def _check(summary: object) -> str:
+        if not isinstance(summary, str) or not summary.strip():
+            msg = f"the LLM returned an empty summary ({summary!r}); check the model and prompt"
+            raise SummarizationError(msg)
+        return summary.strip()
+
+    def summarize(self, texts: Sequence[str], *, max_tokens: int) -> str:
+        """Ask the LLM for a summary of ``texts``."""
+        return self._check(self.llm.complete(self.render(texts), max_tokens=max_tokens))
+
+    async def asummarize(self, texts: Sequence[str], *, max_tokens: int) -> str:
+        """Async :meth:`summarize`: native when the LLM is async, else in a thread."""
+        prompt = self.render(texts)
+        if isinstance(self.llm, AsyncLLM):
+            answer = await self.llm.acomplete(prompt, max_tokens=max_tokens)
+        else:
+            answer = await asyncio.to_thread(self.llm.complete, prompt, max_tokens=max_tokens)
+        return self._check(answer)

@@ -1,0 +1,28 @@
+"""raptor_langchain: RAPTOR trees as a LangChain retriever.
+
+``RaptorRetriever`` is a ``BaseRetriever``: use it wherever ``vectorstore.as_retriever()``
+goes (chains, agents, ``create_retriever_tool``).  The wrappers turn LangChain models into
+raptor_core seams and back.  Needs ``pip install 'raptor-retriever[langchain]'``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from raptor_core._imports import require
+
+# Fail with the install command before any langchain_core import below does without it.
+require("langchain_core", extra="langchain")
+
+from raptor_langchain.models import LangChainEmbedder, LangChainLLM, RaptorEmbeddings  # noqa: E402
+from raptor_langchain.retriever import RaptorRetriever, hit_to_document  # noqa: E402
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__all__ = [
+    "LangChainEmbedder",
+    "LangChainLLM",
+    "RaptorEmbeddings",
+    "RaptorRetriever",
+    "hit_to_document",
+]

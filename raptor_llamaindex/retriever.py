@@ -1,0 +1,430 @@
+"""``RaptorRetriever``: a LlamaIndex ``BaseRetriever`` over a RAPTOR tree.
+
+The class translates between dialects and nothing more: LlamaIndex's ``similarity_top_k``
+becomes the core's ``k``, a core ``Hit`` becomes a ``NodeWithScore`` over a ``TextNode``.
+The search itself is one of raptor_core's strategies.  Only ``_retrieve``/``_aretrieve``
+are implemented, so LlamaIndex's ``retrieve`` keeps firing its callback and
+instrumentation events (``RetrievalStartEvent``/``RetrievalEndEvent``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.base.llms.base import BaseLLM
+from llama_index.core.callbacks.base import CallbackManager
+from llama_index.core.constants import DEFAULT_SIMILARITY_TOP_K
+from llama_index.core.schema import (
+    IndexNode,
+    NodeRelationship,
+    NodeWithScore,
+    QueryBundle,
+    RelatedNodeInfo,
+    TextNode,
+)
+
+from raptor_core.exceptions import InvalidParameterError, TreeFormatError
+from raptor_core.retrieval import DEFAULT_MAX_TOKENS, Hit, TreeRetriever
+from raptor_core.strategies import accepted_params, make_retriever
+from raptor_core.tree import Tree
+from raptor_core.types import LLM, Embedder
+from raptor_llamaindex.models import resolve_embedder, resolve_llm
+
+if TYPE_CHECKING:
+    from raptor_llamaindex.index import RaptorIndex
+
+__all__ = ["DEFAULT_STRATEGY", "RAPTOR_METADATA_KEYS", "RaptorRetriever", "hit_to_node"]
+
+DEFAULT_STRATEGY = "collapsed"
+
+#: Metadata keys this adapter adds to every node.  They are hidden from the LLM and from
+#: re-embedding (``excluded_*_metadata_keys``) so they do not pollute prompts.
+RAPTOR_METADATA_KEYS = (
+    "raptor_layer",
+    "raptor_doc_id",
+    "raptor_span",
+    "raptor_doc_ids",
+    "raptor_children",
+    "raptor_source",
+    "raptor_path",
+    "raptor_reason",
+)
+
+#: The file ``persist`` writes next to the tree's own files.
+PARAMS_FILE = "raptor_llamaindex.json"
+_FORMAT = "raptor-llamaindex"
+_FORMAT_VERSION = 1
+
+
+def hit_to_node(
+    hit: Hit,
+    *,
+    excluded_llm_metadata_keys: Sequence[str] = (),
+    excluded_embed_metadata_keys: Sequence[str] = (),
+) -> NodeWithScore:
+    """Turn a core :class:`~raptor_core.Hit` into a LlamaIndex ``NodeWithScore``.
+
+    Leaves keep their document's metadata and gain ``raptor_layer`` (0), ``raptor_doc_id``,
+    ``raptor_span`` (``[start, end]`` character offsets, also in ``start_char_idx`` /
+    ``end_char_idx``) and a ``SOURCE`` relationship, so ``node.ref_doc_id`` is the document id.
+    Summaries carry ``raptor_layer``, ``raptor_doc_ids`` (the documents they cover) and
+    ``raptor_children`` (also as ``CHILD`` relationships).  The ``raptor_*`` keys, and the
+    document keys named in ``excluded_*_metadata_keys``, are kept out of prompts and
+    embeddings as LlamaIndex does for its own bookkeeping.
+    """
+    node = hit.node
+    metadata: dict[str, Any] = dict(node.metadata) if node.is_leaf else {}
+    metadata["raptor_layer"] = node.layer
+    metadata["raptor_doc_ids"] = list(node.doc_ids)
+    metadata["raptor_source"] = hit.source
+    relationships: dict[NodeRelationship, Any] = {}
+    if node.is_leaf:
+        metadata["raptor_doc_id"] = node.doc_id
+        metadata["raptor_span"] = list(node.span) if node.span is not None else None
+        if node.doc_id is not None:
+            relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id=node.doc_id)
+    else:
+        metadata["raptor_children"] = list(node.children)
+        relationships[NodeRelationship.CHILD] = [RelatedNodeInfo(node_id=c) for c in node.children]
+    if len(hit.path) > 1:
+        metadata["raptor_path"] = list(hit.path)
+    if hit.reason:
+        metadata["raptor_reason"] = hit.reason
+    hidden = [k for k in RAPTOR_METADATA_KEYS if k in metadata]
+    text_node = TextNode(
+        id_=node.id,
+        text=node.text,
+        metadata=metadata,
+        excluded_embed_metadata_keys=[*hidden, *excluded_embed_metadata_keys],
+        excluded_llm_metadata_keys=[*hidden, *excluded_llm_metadata_keys],
+        relationships=relationships,
+        start_char_idx=node.span[0] if node.span is not None else None,
+        end_char_idx=node.span[1] if node.span is not None else None,
+    )
+    return NodeWithScore(node=text_node, score=hit.score)
+
+
+def make_core_retriever(
+    strategy: str,
+    tree: Tree,
+    embedder: Embedder,
+    *,
+    llm: LLM | None,
+    k: int,
+    max_tokens: int | None,
+    params: Mapping[str, Any],
+) -> TreeRetriever:
+    """Create the raptor_core strategy object (validates the strategy and its parameters)."""
+    return make_retriever(strategy, tree, embedder, llm=llm, k=k, max_tokens=max_tokens, **params)
+
+
+def strategy_param_names(strategy: str) -> frozenset[str]:
+    """The strategy's own keyword parameters (besides ``k``/``max_tokens``/``llm``).
+
+    Raises:
+        InvalidParameterError: unknown strategy.
+    """
+    return frozenset(accepted_params(strategy)) - {"k", "max_tokens"}
+
+
+class RaptorRetriever(BaseRetriever):
+    """RAPTOR tree retriever for LlamaIndex.
+
+    Searches a :class:`raptor_core.Tree` with any raptor_core strategy (``"collapsed"``: all
+    layers ranked together, the paper's best; ``"traversal"``: top-down beam; ``"value"``,
+    ``"llm"``, ``"hybrid"``) and returns ``NodeWithScore`` objects, so it drops into query
+    engines, chat engines, routers, fusion retrievers and postprocessors unchanged.
+
+    Setup:
+        ``pip install 'raptor-retriever[llamaindex]'``
+
+    Key init args:
+        tree: the RAPTOR tree (``RaptorIndex.tree``, ``Tree.load(dir)`` or ``TreeBuilder``).
+        embed_model: the model the tree was built with: a LlamaIndex ``BaseEmbedding`` or a
+            raptor_core ``Embedder``.  Default: the embedder recorded in the tree when it is
+            a raptor_core one, else ``Settings.embed_model`` if configured, else the packaged
+            all-MiniLM-L6-v2.
+        strategy: ``"collapsed"`` (default), ``"traversal"``, ``"value"``, ``"llm"``, ``"hybrid"``.
+        similarity_top_k: maximum number of nodes returned (the core's ``k``).
+        max_tokens: token budget for all returned nodes together (the paper uses 2,000);
+            ``None`` for no budget.
+        llm: the LLM that guides the ``"llm"`` and ``"hybrid"`` strategies (LlamaIndex ``LLM``
+            or raptor_core ``LLM``; default ``Settings.llm`` if configured).
+        excluded_llm_metadata_keys / excluded_embed_metadata_keys: document metadata keys to
+            keep out of prompts / embeddings (``RaptorIndex`` copies them from your
+            ``Document`` objects, e.g. the file paths ``SimpleDirectoryReader`` hides).
+        **strategy_params: the strategy's own parameters, e.g. ``layers=[0]`` or
+            ``min_score=0.3`` for collapsed; ``start_layer``, ``num_layers``, ``top_k``,
+            ``threshold`` for traversal.
+
+    Instantiate:
+        .. code-block:: python
+
+            from raptor_core import TreeBuilder
+            from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer
+            from raptor_llamaindex import RaptorRetriever
+
+            embedder = FakeEmbedder()
+            tree = TreeBuilder(embedder, EchoSummarizer(), tokenizer=WhitespaceTokenizer(),
+                               random_state=0).build(["Bees dance. Bees make honey. " * 20])
+            retriever = RaptorRetriever(tree, embedder, similarity_top_k=3)
+
+    Usage:
+        .. code-block:: python
+
+            for hit in retriever.retrieve("how do bees communicate?"):
+                print(hit.score, hit.node.metadata["raptor_layer"], hit.node.text[:60])
+
+    Use within a query engine:
+        .. code-block:: python
+
+            from llama_index.core.llms import MockLLM
+            from llama_index.core.query_engine import RetrieverQueryEngine
+
+            engine = RetrieverQueryEngine.from_args(retriever, llm=MockLLM())
+            response = engine.query("how do bees communicate?")
+    """
+
+    def __init__(
+        self,
+        tree: Tree,
+        embed_model: BaseEmbedding | Embedder | None = None,
+        *,
+        strategy: str = DEFAULT_STRATEGY,
+        similarity_top_k: int = DEFAULT_SIMILARITY_TOP_K,
+        max_tokens: int | None = DEFAULT_MAX_TOKENS,
+        llm: BaseLLM | LLM | None = None,
+        excluded_llm_metadata_keys: Sequence[str] = (),
+        excluded_embed_metadata_keys: Sequence[str] = (),
+        callback_manager: CallbackManager | None = None,
+        objects: list[IndexNode] | None = None,
+        object_map: dict[str, Any] | None = None,
+        verbose: bool = False,
+        **strategy_params: Any,
+    ) -> None:
+        if not isinstance(tree, Tree):
+            msg = f"tree must be a raptor_core Tree, got {type(tree).__name__}"
+            raise InvalidParameterError(msg)
+        self._tree = tree
+        self._embedder = resolve_embedder(embed_model, recorded=tree.params.get("embedder"))
+        self._llm = resolve_llm(llm)
+        self.strategy = strategy
+        self.similarity_top_k = similarity_top_k
+        self.max_tokens = max_tokens
+        self.excluded_llm_metadata_keys = list(excluded_llm_metadata_keys)
+        self.excluded_embed_metadata_keys = list(excluded_embed_metadata_keys)
+        self.strategy_params = dict(strategy_params)
+        # Set by RaptorIndex.as_retriever so that documents inserted later are seen.
+        self._index: RaptorIndex | None = None
+        # Built now so that a bad strategy or parameter fails here, not at the first query.
+        self._core = self._make_core()
+        super().__init__(
+            callback_manager=callback_manager,
+            objects=objects,
+            object_map=object_map,
+            verbose=verbose,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"RaptorRetriever(strategy={self.strategy!r}, "
+            f"similarity_top_k={self.similarity_top_k}, max_tokens={self.max_tokens}, "
+            f"tree={self._tree!r})"
+        )
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_defaults(
+        cls,
+        *,
+        nodes: Sequence[Any] | None = None,
+        documents: Sequence[Any] | None = None,
+        tree: Tree | None = None,
+        embed_model: BaseEmbedding | Embedder | None = None,
+        llm: BaseLLM | LLM | None = None,
+        builder_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> RaptorRetriever:
+        """Build a tree over ``nodes`` or ``documents`` (or take ``tree``) and wrap it.
+
+        Args:
+            nodes: LlamaIndex nodes; each becomes one source text of the tree.
+            documents: LlamaIndex ``Document`` objects.
+            tree: an existing tree instead of nodes/documents.
+            embed_model: embeds chunks, summaries and queries (see the class docstring).
+            llm: summarises clusters (default: ``Settings.llm`` if configured, else the
+                offline extractive summariser) and guides LLM strategies.
+            builder_kwargs: :class:`raptor_core.TreeBuilder` parameters (``random_state``, ...).
+            **kwargs: retriever parameters (``similarity_top_k``, ``strategy``, ...).
+        """
+        given = sum(x is not None for x in (nodes, documents, tree))
+        if given != 1:
+            msg = "pass exactly one of nodes=, documents= or tree="
+            raise InvalidParameterError(msg)
+        if tree is None:
+            from raptor_llamaindex.index import RaptorIndex
+
+            items = nodes if nodes is not None else documents
+            index = RaptorIndex.from_documents(
+                list(items or ()), embed_model=embed_model, llm=llm, **dict(builder_kwargs or {})
+            )
+            return index.as_retriever(**kwargs)
+        return cls(tree, embed_model, llm=llm, **kwargs)
+
+    def _make_core(self) -> TreeRetriever:
+        return make_core_retriever(
+            self.strategy,
+            self._tree,
+            self._embedder,
+            llm=self._llm,
+            k=self.similarity_top_k,
+            max_tokens=self.max_tokens,
+            params=self.strategy_params,
+        )
+
+    @property
+    def tree(self) -> Tree:
+        """The tree searched (the index's current one when created by ``RaptorIndex``)."""
+        self._sync_tree()
+        return self._tree
+
+    @property
+    def embedder(self) -> Embedder:
+        """The core embedder that embeds queries."""
+        return self._embedder
+
+    def get_params(self) -> dict[str, Any]:
+        """The retrieval parameters (what ``persist`` stores), JSON-serialisable."""
+        params: dict[str, Any] = {
+            "strategy": self.strategy,
+            "similarity_top_k": self.similarity_top_k,
+            "max_tokens": self.max_tokens,
+            "strategy_params": dict(self.strategy_params),
+        }
+        if self.excluded_llm_metadata_keys:
+            params["excluded_llm_metadata_keys"] = list(self.excluded_llm_metadata_keys)
+        if self.excluded_embed_metadata_keys:
+            params["excluded_embed_metadata_keys"] = list(self.excluded_embed_metadata_keys)
+        return params
+
+    def _to_nodes(self, hits: Sequence[Hit]) -> list[NodeWithScore]:
+        return [
+            hit_to_node(
+                h,
+                excluded_llm_metadata_keys=self.excluded_llm_metadata_keys,
+                excluded_embed_metadata_keys=self.excluded_embed_metadata_keys,
+            )
+            for h in hits
+        ]
+
+    def _sync_tree(self) -> None:
+        # Pick up a tree rebuilt by RaptorIndex.insert (trees are immutable: swap, don't edit).
+        if self._index is not None and self._index.tree is not self._tree:
+            self._tree = self._index.tree
+            self._core = self._make_core()
+
+    # -- retrieval -----------------------------------------------------------------------------
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        self._sync_tree()
+        hits = self._core.retrieve(
+            query_bundle.query_str, k=self.similarity_top_k, max_tokens=self.max_tokens
+        )
+        return self._to_nodes(hits)
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        self._sync_tree()
+        hits = await self._core.aretrieve(
+            query_bundle.query_str, k=self.similarity_top_k, max_tokens=self.max_tokens
+        )
+        return self._to_nodes(hits)
+
+    # -- persistence ---------------------------------------------------------------------------
+    def persist(self, persist_dir: str | os.PathLike[str]) -> Path:
+        """Save the tree and the retrieval parameters to ``persist_dir``.
+
+        The tree is written by :meth:`raptor_core.Tree.save` (plain JSON + ``.npy``, atomic);
+        the parameters go to ``raptor_llamaindex.json`` beside it.
+        """
+        directory = self.tree.save(persist_dir)
+        write_params(directory, retriever=self.get_params())
+        return directory
+
+    @classmethod
+    def from_persist_dir(
+        cls,
+        persist_dir: str | os.PathLike[str],
+        embed_model: BaseEmbedding | Embedder | None = None,
+        *,
+        llm: BaseLLM | LLM | None = None,
+        **overrides: Any,
+    ) -> RaptorRetriever:
+        """Load a retriever saved by :meth:`persist` (or a tree saved by ``raptor build``).
+
+        Args:
+            persist_dir: the directory.
+            embed_model: the model the tree was built with (see the class docstring).
+            llm: the LLM for LLM-guided strategies (models are never saved).
+            **overrides: retrieval parameters that replace the saved ones.
+        """
+        tree = Tree.load(persist_dir)
+        saved = read_params(persist_dir).get("retriever", {})
+        return cls(tree, embed_model, llm=llm, **merge_retriever_params(saved, overrides))
+
+
+def merge_retriever_params(
+    saved: Mapping[str, Any], overrides: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Saved retriever parameters updated by keyword overrides, flattened for ``__init__``.
+
+    Strategy parameters saved for one strategy are dropped when ``overrides`` switches to
+    another, since they would not fit it.
+    """
+    base = {k: v for k, v in saved.items() if k != "strategy_params"}
+    strategy_params = dict(saved.get("strategy_params") or {})
+    new_strategy = overrides.get("strategy")
+    if new_strategy is not None and new_strategy != saved.get("strategy", DEFAULT_STRATEGY):
+        strategy_params = {}
+    return {**base, **strategy_params, **overrides}
+
+
+def write_params(directory: Path, **sections: Any) -> None:
+    """Write ``raptor_llamaindex.json`` atomically (temp file + ``os.replace``)."""
+    document = {"format": _FORMAT, "format_version": _FORMAT_VERSION, **sections}
+    try:
+        payload = json.dumps(document, ensure_ascii=False, indent=1, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        msg = f"retrieval parameters must be JSON-serialisable to persist them: {exc}"
+        raise InvalidParameterError(msg) from exc
+    target = directory / PARAMS_FILE
+    tmp = directory / f".{PARAMS_FILE}.tmp"
+    tmp.write_text(payload, encoding="utf-8")
+    os.replace(tmp, target)
+
+
+def read_params(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read ``raptor_llamaindex.json``; an empty dict when the directory holds only a tree."""
+    path = Path(directory) / PARAMS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        msg = f"{path} is not valid JSON (truncated or edited?): {exc}"
+        raise TreeFormatError(msg) from exc
+    if not isinstance(document, dict) or document.get("format") != _FORMAT:
+        msg = f"{path} is not a raptor_llamaindex parameter file"
+        raise TreeFormatError(msg)
+    version = document.get("format_version")
+    if not isinstance(version, int) or not 1 <= version <= _FORMAT_VERSION:
+        msg = (
+            f"{path} has format_version {version!r}; "
+            f"this raptor_llamaindex reads 1..{_FORMAT_VERSION}"
+        )
+        raise TreeFormatError(msg)
+    return document

@@ -1,0 +1,151 @@
+"""``raptor eval`` end to end: a tiny generated dataset, the real model, both frameworks."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+CROPS = ["barley", "saffron", "apricots", "lentils", "olives", "hops", "tea", "cotton"]
+GOODS = ["copper pots", "wool blankets", "glass beads", "salted fish", "cedar planks", "silk thread"]
+RIVERS = ["Amber", "Silver", "Crooked", "Quiet", "Swift", "Black"]
+DAYS = ["Monday", "Tuesday", "Thursday", "Saturday"]
+ANIMALS = ["goats", "donkeys", "geese", "camels", "yaks", "pigs"]
+
+
+def _village(rng: random.Random, name: str) -> tuple[str, dict[str, str]]:
+    facts = {
+        "crop": rng.choice(CROPS),
+        "good": rng.choice(GOODS),
+        "river": rng.choice(RIVERS),
+        "day": rng.choice(DAYS),
+        "animal": rng.choice(ANIMALS),
+        "founder": rng.choice(["Ilse Varga", "Tomas Brecht", "Ana Ruiz", "Jon Okafor", "Mei Lin"]),
+    }
+    text = (
+        f"The village of {name} lies beside the {facts['river']} river, where the valley opens "
+        f"towards the hills. Its farmers grow {facts['crop']} on narrow terraces and keep "
+        f"{facts['animal']} in stone pens behind their houses. Every {facts['day']} the square "
+        f"fills with traders who exchange {facts['good']} for flour and salt. The village was "
+        f"founded by {facts['founder']}, whose statue still stands by the old well, and the "
+        f"children of {name} learn the story of that founding before they learn to read."
+    )
+    return text, facts
+
+
+def _dataset(tmp_path: Path) -> tuple[Path, Path, dict[str, list[str]]]:
+    rng = random.Random(7)
+    names = [
+        ["Oskarsby", "Pellwick", "Tarnholm", "Quenlow", "Brisca", "Ulmerod", "Vantoria", "Kesh"],
+        ["Drummel", "Ferovia", "Gallantry", "Hoskeld", "Istravo", "Jorundel", "Lammerskirk", "Mirevale"],
+    ]
+    docs, questions, gold = [], [], {}
+    for d, village_names in enumerate(names):
+        paragraphs = []
+        for i, name in enumerate(village_names):
+            text, facts = _village(rng, name)
+            paragraphs.append(text)
+            if i % 3 == 0:
+                question = f"What do the farmers of {name} grow, and which animals do they keep?"
+                sentence = text.split(". ")[1] + "."
+                questions.append(
+                    {
+                        "doc_id": f"valley-{d}",
+                        "question_id": f"valley-{d}-{name}",
+                        "question": question,
+                        "answers": [f"{facts['crop']} on narrow terraces"],
+                        "evidence": [text],  # copied from the document
+                    }
+                )
+                gold[question] = [text, sentence]
+        docs.append({"doc_id": f"valley-{d}", "title": f"Valley {d}", "text": "\n\n".join(paragraphs)})
+    docs_path = tmp_path / "docs.jsonl"
+    questions_path = tmp_path / "questions.jsonl"
+    docs_path.write_text("\n".join(json.dumps(x) for x in docs) + "\n", encoding="utf-8")
+    questions_path.write_text("\n".join(json.dumps(x) for x in questions) + "\n", encoding="utf-8")
+    return docs_path, questions_path, gold
+
+
+PLUGIN = textwrap.dedent(
+    """
+    import json, os
+
+    GOLD = json.loads(open(os.environ["EVAL_GOLD"], encoding="utf-8").read())
+
+    class Oracle:
+        def __init__(self, corpus):
+            self.filler = corpus.chunks
+
+        def retrieve(self, question, *, max_tokens):
+            return [GOLD[question][0], *self.filler]
+
+    class Unrelated:
+        def __init__(self, corpus):
+            pass
+
+        def retrieve(self, question, *, max_tokens):
+            return ["Rockets burn fuel and carry satellites into orbit around the earth."] * 50
+    """
+)
+
+
+def test_eval_cli_end_to_end(tmp_path: Path) -> None:
+    docs, questions, gold = _dataset(tmp_path)
+    (tmp_path / "evalplug.py").write_text(PLUGIN, encoding="utf-8")
+    (tmp_path / "gold.json").write_text(json.dumps(gold), encoding="utf-8")
+    out = tmp_path / "out"
+    retrievers = [
+        "collapsed",
+        "traversal",
+        "value",
+        "bm25",
+        "dense",
+        "llamaindex-vector",
+        "langchain-inmemory-default-chunking",
+        "oracle=evalplug:Oracle",
+        "unrelated=evalplug:Unrelated",
+    ]
+    args = [
+        "eval",
+        "--docs", str(docs),
+        "--questions", str(questions),
+        "--retrievers", ",".join(retrievers),
+        "--budgets", "100,400",
+        "--out", str(out),
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        "EVAL_GOLD": str(tmp_path / "gold.json"),
+    }
+    cmd = [sys.executable, "-m", "raptor_core.cli", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "oracle" in proc.stdout and "evidence" in proc.stdout
+
+    assert (out / "recall.png").read_bytes()[:4] == b"\x89PNG"
+    result = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    assert result["config"]["trees"] == 2 and result["config"]["questions"] == 6
+    assert set(result["config"]["retrievers"]) == {r.split("=")[0] for r in retrievers}
+    for row in result["rows"]:
+        assert row["context_tokens"] <= row["budget"]
+        for metric in ("evidence_recall", "answer_recall"):
+            assert 0.0 <= row[metric] <= 1.0
+    score = {(e["retriever"], e["budget"]): e for e in result["summary"]}
+    assert score["oracle", 400]["evidence_recall"] == 1.0
+    assert score["oracle", 400]["answer_recall"] == 1.0
+    assert score["unrelated", 400]["evidence_recall"] == 0.0
+    # Real retrievers find the (distinctively named) village at a 400-token budget.
+    for name in ("collapsed", "dense", "bm25", "llamaindex-vector"):
+        assert score[name, 400]["evidence_recall"] > score["unrelated", 400]["evidence_recall"]
+    # Same chunks, same model: LlamaIndex's default retriever ranks like the dense baseline.
+    assert score["llamaindex-vector", 400]["evidence_recall"] == score["dense", 400]["evidence_recall"]

@@ -1,0 +1,268 @@
+"""raptor_llamaindex with real parts: MiniLM embeddings through a LlamaIndex ``BaseEmbedding``,
+UMAP/GMM clustering, extractive summaries, and real llama-index-core engines and events."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_index.core")
+
+from llama_index.core import Document, VectorStoreIndex
+from llama_index.core.agent.workflow import ReActAgent
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events import BaseEvent
+from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent, RetrievalStartEvent
+from llama_index.core.llms import CompletionResponse, CustomLLM, LLMMetadata, MockLLM
+from llama_index.core.llms.callbacks import llm_completion_callback
+from llama_index.core.node_parser import SentenceSplitter
+from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.core.tools import QueryEngineTool
+from pydantic import Field, PrivateAttr
+
+from raptor_llamaindex import RaptorEmbedding, RaptorIndex, RaptorRetriever
+
+pytestmark = pytest.mark.integration
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+class MiniLMEmbedding(BaseEmbedding):
+    """What a user's own ``BaseEmbedding`` subclass looks like (HuggingFaceEmbedding-style):
+    it wraps the session's sentence-transformers model and knows nothing about RAPTOR."""
+
+    _model: Any = PrivateAttr()
+    _texts: int = PrivateAttr(default=0)
+
+    def __init__(self, model: Any, **kwargs: Any) -> None:
+        super().__init__(model_name="all-MiniLM-L6-v2", embed_batch_size=64, **kwargs)
+        self._model = model
+
+    def _get_query_embedding(self, query: str) -> list[float]:
+        return self._model.embed_query(query).tolist()
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        return await asyncio.to_thread(self._get_query_embedding, query)
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return self._get_text_embeddings([text])[0]
+
+    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        self._texts += len(texts)
+        return self._model.embed_documents(texts).tolist()
+
+
+class ScriptedReActLLM(CustomLLM):
+    """Plays a ReAct agent's LLM: calls the ``essays`` tool once, then answers."""
+
+    _turn: int = PrivateAttr(default=0)
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(model_name="scripted-react")
+
+    def _next(self) -> str:
+        self._turn += 1
+        if self._turn == 1:
+            return (
+                "Thought: I need the essays.\nAction: essays\n"
+                'Action Input: {"input": "How do honeybees communicate?"}'
+            )
+        return "Thought: I can answer without using any more tools.\nAnswer: They dance."
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return CompletionResponse(text=self._next())
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
+        text = self._next()
+        yield CompletionResponse(text=text, delta=text)
+
+
+def essays() -> list[Document]:
+    """tests/data/multi_topic.md split into one LlamaIndex Document per essay."""
+    text = (DATA / "multi_topic.md").read_text(encoding="utf-8")
+    sections = re.split(r"^## ", text, flags=re.MULTILINE)[1:]
+    docs = []
+    for section in sections:
+        title, _, body = section.partition("\n")
+        slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+        docs.append(Document(text=body.strip(), id_=slug, metadata={"title": title.strip()}))
+    assert len(docs) == 6
+    return docs
+
+
+@pytest.fixture(scope="module")
+def embed_model(st_embedder: Any) -> MiniLMEmbedding:
+    return MiniLMEmbedding(st_embedder)
+
+
+@pytest.fixture(scope="module")
+def index(embed_model: MiniLMEmbedding) -> RaptorIndex:
+    return RaptorIndex.from_documents(
+        essays(), embed_model=embed_model, random_state=0, similarity_top_k=8
+    )
+
+
+class RetrievalEvents(BaseEventHandler):
+    events: list[BaseEvent] = Field(default_factory=list)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "RetrievalEvents"
+
+    def handle(self, event: BaseEvent, **kwargs: Any) -> None:
+        if isinstance(event, RetrievalStartEvent | RetrievalEndEvent):
+            self.events.append(event)
+
+
+def test_custom_base_embedding_drives_the_build(
+    index: RaptorIndex, embed_model: MiniLMEmbedding, st_embedder: Any
+) -> None:
+    tree = index.tree
+    assert embed_model._texts >= len(tree.nodes)
+    assert tree.num_layers >= 2
+    assert set(tree.doc_ids) == {d.doc_id for d in essays()}
+    assert tree.params["embedder"]["class"] == "raptor_llamaindex.models.LlamaIndexEmbedder"
+    # The wrapper hands the model's vectors to the core unchanged (up to normalisation).
+    leaf_rows = tree.layer_rows(0)[:5]
+    direct = st_embedder.embed_documents([tree.nodes[r].text for r in leaf_rows])
+    direct /= np.linalg.norm(direct, axis=1, keepdims=True)
+    np.testing.assert_allclose(tree.embeddings[leaf_rows], direct, atol=1e-5)
+
+
+def test_query_engine_answers_with_nodes_from_several_layers(index: RaptorIndex) -> None:
+    engine = index.as_query_engine(llm=MockLLM())
+    response = engine.query("How do honeybees tell each other where flowers are?")
+    assert str(response)
+    layers = {n.node.metadata["raptor_layer"] for n in response.source_nodes}
+    assert len(layers) >= 2, layers
+    # A LlamaIndex pipeline built by hand behaves the same.
+    manual = RetrieverQueryEngine.from_args(index.as_retriever(), llm=MockLLM(max_tokens=4))
+    assert str(manual.query("volcano eruptions")) == "text text text text"
+
+
+def test_retrieval_is_on_topic(index: RaptorIndex) -> None:
+    nodes = index.as_retriever(similarity_top_k=3).retrieve("What did Gutenberg invent in Mainz?")
+    assert nodes[0].node.metadata["raptor_doc_ids"] == [
+        "the-printing-press-and-the-spread-of-the-written-word"
+    ]
+
+
+def test_instrumentation_handler_sees_retrieval_events(index: RaptorIndex) -> None:
+    dispatcher = get_dispatcher()
+    handler = RetrievalEvents()
+    dispatcher.add_event_handler(handler)
+    try:
+        response = index.as_query_engine(llm=MockLLM(max_tokens=2)).query("sourdough starter")
+    finally:
+        dispatcher.event_handlers.remove(handler)
+    assert [type(e) for e in handler.events] == [RetrievalStartEvent, RetrievalEndEvent]
+    end = handler.events[1]
+    assert [n.node.node_id for n in end.nodes] == [n.node.node_id for n in response.source_nodes]
+
+
+def test_persist_load_gives_identical_results(
+    index: RaptorIndex, embed_model: MiniLMEmbedding, tmp_path: Path
+) -> None:
+    index.persist(tmp_path / "raptor")
+    loaded = RaptorIndex.load(tmp_path / "raptor", embed_model=embed_model)
+    assert loaded.retriever_kwargs == index.retriever_kwargs == {"similarity_top_k": 8}
+    for query in ["Apollo 11 landing", "How do vaccines train immunity?", "lava viscosity"]:
+        want = index.as_retriever().retrieve(query)
+        got = loaded.as_retriever().retrieve(query)
+        assert [(n.node.node_id, n.score) for n in got] == [(n.node.node_id, n.score) for n in want]
+        assert [n.node.metadata for n in got] == [n.node.metadata for n in want]
+
+
+def test_similarity_top_k_larger_than_the_tree(index: RaptorIndex) -> None:
+    nodes = index.as_retriever(similarity_top_k=10_000, max_tokens=None).retrieve("bread")
+    assert len(nodes) == len(index.tree)
+
+
+def test_empty_index(embed_model: MiniLMEmbedding) -> None:
+    empty = RaptorIndex.from_documents([], embed_model=embed_model)
+    assert empty.as_retriever().retrieve("anything") == []
+    assert empty.as_query_engine(llm=MockLLM()).query("anything").source_nodes == []
+
+
+async def test_async_retrieval_inside_a_running_loop(index: RaptorIndex) -> None:
+    retriever = index.as_retriever(similarity_top_k=4)
+    queries = ["waggle dance", "Gutenberg Bible", "Pinatubo eruption"]
+    results = await asyncio.gather(*(retriever.aretrieve(q) for q in queries))
+    for query, nodes in zip(queries, results, strict=True):
+        assert [n.node.node_id for n in nodes] == [
+            n.node.node_id for n in retriever.retrieve(query)
+        ]
+    response = await index.as_query_engine(llm=MockLLM(max_tokens=2)).aquery("moon landing")
+    assert response.source_nodes
+
+
+def test_query_engine_tool_for_an_agent(index: RaptorIndex) -> None:
+    tool = QueryEngineTool.from_defaults(
+        index.as_query_engine(llm=MockLLM(max_tokens=3)),
+        name="essays",
+        description="Answers questions about six essays (bees, printing, volcanoes, ...).",
+    )
+    assert tool.metadata.name == "essays"
+    output = tool.call(input="Who commanded Apollo 11?")
+    assert output.content == "text text text"
+    assert output.raw_output.source_nodes
+    assert tool.metadata.to_openai_tool()["function"]["name"] == "essays"
+
+
+# LlamaIndex's agent workflow itself triggers pydantic/workflows deprecation warnings.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+async def test_query_engine_tool_inside_a_react_agent(index: RaptorIndex) -> None:
+    tool = QueryEngineTool.from_defaults(
+        index.as_query_engine(llm=MockLLM(max_tokens=3)),
+        name="essays",
+        description="Answers questions about six essays.",
+    )
+    agent = ReActAgent(tools=[tool], llm=ScriptedReActLLM())
+    response = await agent.run("How do honeybees communicate?")
+    assert response.response.content == "They dance."
+    (call,) = response.tool_calls
+    assert call.tool_name == "essays"
+    sources = call.tool_output.raw_output.source_nodes
+    assert any("bee" in s.node.get_content().lower() for s in sources)
+
+
+def test_vector_store_index_comparison_on_the_same_documents(
+    index: RaptorIndex, embed_model: MiniLMEmbedding
+) -> None:
+    """The drop-in claim: same documents, same model, same chunk size and top-k."""
+    docs = essays()
+    vector = VectorStoreIndex.from_documents(
+        docs,
+        embed_model=embed_model,
+        transformations=[SentenceSplitter(chunk_size=100, chunk_overlap=0)],
+    ).as_retriever(similarity_top_k=5)
+    raptor = index.as_retriever(similarity_top_k=5)
+    question = "What is the essay about honeybees mainly about?"
+    vector_nodes = vector.retrieve(question)
+    raptor_nodes = raptor.retrieve(question)
+    assert len(vector_nodes) == len(raptor_nodes) == 5
+    bees = "how-honeybees-communicate"
+    assert all(n.node.ref_doc_id == bees for n in vector_nodes)
+    assert all(n.node.metadata["raptor_doc_ids"] == [bees] for n in raptor_nodes)
+    # Only the tree can answer a "what is it about" question with a summary.
+    assert any(n.node.metadata["raptor_layer"] > 0 for n in raptor_nodes)
+
+
+def test_retriever_from_a_saved_tree_with_the_core_model(
+    index: RaptorIndex, st_embedder: Any, tmp_path: Path
+) -> None:
+    index.as_retriever(strategy="traversal", similarity_top_k=4, top_k=2).persist(tmp_path)
+    retriever = RaptorRetriever.from_persist_dir(tmp_path, RaptorEmbedding(st_embedder))
+    assert retriever.strategy == "traversal" and retriever.strategy_params == {"top_k": 2}
+    nodes = retriever.retrieve("sourdough starter")
+    assert 0 < len(nodes) <= 4

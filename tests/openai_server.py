@@ -1,0 +1,524 @@
+"""A deterministic OpenAI-compatible HTTP server for tests, on 127.0.0.1 (port 0).
+
+It answers ``POST /v1/chat/completions``, ``POST /v1/embeddings`` and ``GET /v1/models``
+the way OpenAI, vLLM or Ollama would, so the real ``openai`` client can talk to it:
+
+* completions are a deterministic function of the prompt (:func:`fake_completion`), so a
+  build through this server is reproducible and two builds can be compared node by node;
+* embeddings are :class:`raptor_core.testing.FakeEmbedder` vectors (texts sharing words are
+  similar, so real clustering over them is meaningful), as floats or base64;
+* knobs: a per-request ``delay``, a fault plan (429 with ``Retry-After``, 500, a response
+  slower than the client's timeout, a dropped connection, an empty or truncated completion,
+  401/400/404), a required API key, a model list, and an ``on_request`` hook;
+* it records every request (:class:`Record`) and the peak number of requests in flight.
+
+Use it as a context manager::
+
+    with FakeOpenAIServer(delay=0.05) as server:
+        llm = OpenAIChatLLM("fake-chat", base_url=server.url, api_key="sk-test")
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import random
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+
+from raptor_core.testing import FakeEmbedder
+
+__all__ = [
+    "CORPUS",
+    "FAULTS",
+    "FakeOpenAIServer",
+    "FaultPlan",
+    "GroupClusterer",
+    "Record",
+    "fake_completion",
+    "fake_embedding",
+    "fault_share",
+    "faults_in_order",
+    "openai_builder",
+    "tree_signature",
+]
+
+#: Fault kinds the server can inject.
+FAULTS = ("429", "500", "slow", "drop", "empty", "truncated", "quota", "400", "401", "403", "404")
+
+#: ``plan(endpoint, key, attempt) -> fault or None``; ``attempt`` counts earlier requests with
+#: the same body (0 for the first), ``endpoint`` is ``"chat"`` or ``"embeddings"``.
+FaultPlan = Callable[[str, str, int], "str | None"]
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+_PAPER_PREFIX = "including as many key details as possible:"
+
+
+def fake_completion(prompt: str, max_tokens: int | None = None) -> str:
+    """The server's answer to ``prompt``: a hash tag and ten words of the context, in order."""
+    digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:8]
+    context = prompt.split(_PAPER_PREFIX, 1)[-1]
+    words = _WORD.findall(context)
+    rng = random.Random(digest)
+    picked = sorted(rng.sample(range(len(words)), min(10, len(words))))
+    out = [f"S{digest}", *(words[i] for i in picked)]
+    return " ".join(out[: max_tokens if max_tokens else len(out)])
+
+
+_EMBEDDERS: dict[int, FakeEmbedder] = {}
+
+
+def fake_embedding(text: str, dim: int = 32) -> np.ndarray:
+    """The server's (unit) embedding of ``text``."""
+    embedder = _EMBEDDERS.setdefault(dim, FakeEmbedder(dim))
+    return embedder.embed_query(text)
+
+
+def fault_share(
+    kinds: Sequence[str],
+    share: float,
+    *,
+    endpoints: Collection[str] = ("chat",),
+    attempts: int = 1,
+    seed: int = 0,
+) -> FaultPlan:
+    """Fault the first ``attempts`` tries of about ``share`` of the distinct requests.
+
+    The kind is picked by a hash of the request, so a plan is reproducible, and every request
+    eventually succeeds (with ``attempts`` <= the client's ``max_retries``).
+    """
+
+    def plan(endpoint: str, key: str, attempt: int) -> str | None:
+        if endpoint not in endpoints or attempt >= attempts:
+            return None
+        h = int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest(), 16)
+        if (h % 10_000) / 10_000 >= share:
+            return None
+        return kinds[(h // 10_000) % len(kinds)]
+
+    return plan
+
+
+def faults_in_order(*kinds: str | None, endpoint: str = "chat") -> FaultPlan:
+    """The n-th request to ``endpoint`` gets ``kinds[n]`` (None: no fault); later ones none."""
+    lock = threading.Lock()
+    queue = list(kinds)
+
+    def plan(ep: str, key: str, attempt: int) -> str | None:
+        if ep != endpoint:
+            return None
+        with lock:
+            return queue.pop(0) if queue else None
+
+    return plan
+
+
+@dataclass
+class Record:
+    """One request the server received."""
+
+    endpoint: str
+    body: dict[str, Any]
+    key: str
+    attempt: int
+    fault: str | None = None
+    status: int = 0
+    ok: bool = False  # answered with a usable result (not faulted)
+    started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+    authorization: str = ""
+
+    @property
+    def prompt(self) -> str:
+        """The user message of a chat request ("" otherwise)."""
+        messages = self.body.get("messages") or []
+        users = [m.get("content", "") for m in messages if m.get("role") == "user"]
+        return users[-1] if users else ""
+
+    @property
+    def inputs(self) -> list[str]:
+        """The texts of an embeddings request."""
+        value = self.body.get("input", [])
+        return [value] if isinstance(value, str) else list(value)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    fake: FakeOpenAIServer
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.server.fake._handle(self)
+
+    def do_GET(self) -> None:
+        fake = self.server.fake
+        if self.path.rstrip("/").endswith("/models"):
+            names = sorted(fake.models) if fake.models is not None else ["fake-chat", "fake-embed"]
+            fake._send(
+                self, 200, {"object": "list", "data": [{"id": n, "object": "model"} for n in names]}
+            )
+        else:
+            fake._send(self, 404, {"error": {"message": f"no route {self.path}"}})
+
+
+class FakeOpenAIServer:
+    """An OpenAI-compatible server on 127.0.0.1 with fault injection and a request log.
+
+    Args:
+        delay: seconds every chat request takes (before faults are applied).
+        embed_delay: seconds every embeddings request takes.
+        faults: a :data:`FaultPlan` (see :func:`fault_share`, :func:`faults_in_order`).
+        api_key: when set, requests must carry ``Authorization: Bearer <api_key>``; others get
+            a 401 whose message echoes the key they sent (a hostile server: the client must
+            not repeat it).
+        models: model names the server knows (None: any); others get a 404.
+        dim: embedding dimension.
+        retry_after: the ``Retry-After`` header sent with a 429 (a string, as on the wire).
+        slow_seconds: how long a ``"slow"`` fault stalls before answering.
+        on_request: called with each :class:`Record` before it is answered (for example to
+            SIGKILL a client at a chosen request).
+    """
+
+    def __init__(
+        self,
+        *,
+        delay: float = 0.0,
+        embed_delay: float = 0.0,
+        faults: FaultPlan | None = None,
+        api_key: str | None = None,
+        models: Collection[str] | None = None,
+        dim: int = 32,
+        retry_after: str = "0.05",
+        slow_seconds: float = 1.0,
+        on_request: Callable[[Record], None] | None = None,
+    ) -> None:
+        self.delay = delay
+        self.embed_delay = embed_delay
+        self.faults = faults
+        self.api_key = api_key
+        self.models = set(models) if models is not None else None
+        self.dim = dim
+        self.retry_after = retry_after
+        self.slow_seconds = slow_seconds
+        self.on_request = on_request
+        self.log: list[Record] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._seen: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+        self._httpd: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> FakeOpenAIServer:
+        httpd = _Server(("127.0.0.1", 0), _Handler)
+        httpd.fake = self
+        self._httpd = httpd
+        self._thread = threading.Thread(
+            target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def __enter__(self) -> FakeOpenAIServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        assert self._httpd is not None, "server not started"
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """The base URL to give the client (ends with ``/v1``)."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    # -- log -----------------------------------------------------------------------------------
+    def requests(self, endpoint: str | None = None) -> list[Record]:
+        """Every request received so far (of one endpoint, or all)."""
+        with self._lock:
+            return [r for r in self.log if endpoint is None or r.endpoint == endpoint]
+
+    def successes(self, endpoint: str | None = None) -> list[Record]:
+        """Requests answered with a usable result."""
+        return [r for r in self.requests(endpoint) if r.ok]
+
+    def reset(self) -> None:
+        """Forget the log, the attempt counts and the in-flight peak."""
+        with self._lock:
+            self.log.clear()
+            self._seen.clear()
+            self.max_in_flight = self.in_flight
+
+    # -- protocol ------------------------------------------------------------------------------
+    @staticmethod
+    def _send(
+        handler: BaseHTTPRequestHandler,
+        status: int,
+        payload: dict[str, Any],
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        data = json.dumps(payload).encode("utf-8")
+        try:
+            handler.send_response(status)
+            handler.send_header("Content-Type", "application/json")
+            handler.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                handler.send_header(name, value)
+            handler.end_headers()
+            handler.wfile.write(data)
+            handler.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            handler.close_connection = True  # the client went away (timeout, kill)
+
+    @staticmethod
+    def _error(code: int, message: str, kind: str, err_code: str | None = None) -> dict[str, Any]:
+        return {"error": {"message": message, "type": kind, "code": err_code, "param": None}}
+
+    def _handle(self, handler: _Handler) -> None:
+        path = handler.path.rstrip("/")
+        length = int(handler.headers.get("Content-Length") or 0)
+        try:
+            body = json.loads(handler.rfile.read(length) or b"{}")
+        except json.JSONDecodeError:
+            self._send(handler, 400, self._error(400, "invalid JSON body", "invalid_request_error"))
+            return
+        if path.endswith("/chat/completions"):
+            endpoint, key = "chat", json.dumps(body.get("messages"), sort_keys=True)
+        elif path.endswith("/embeddings"):
+            endpoint, key = "embeddings", json.dumps(body.get("input"), sort_keys=True)
+        else:
+            self._send(handler, 404, self._error(404, f"no route {path}", "invalid_request_error"))
+            return
+        with self._lock:
+            attempt = self._seen.get((endpoint, key), 0)
+            self._seen[(endpoint, key)] = attempt + 1
+            record = Record(
+                endpoint=endpoint,
+                body=body,
+                key=key,
+                attempt=attempt,
+                authorization=handler.headers.get("Authorization", ""),
+            )
+            self.log.append(record)
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if self.on_request is not None:
+                self.on_request(record)
+            self._respond(handler, endpoint, body, record)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+                record.finished = time.monotonic()
+
+    def _respond(
+        self, handler: _Handler, endpoint: str, body: dict[str, Any], record: Record
+    ) -> None:
+        if self.api_key is not None and record.authorization != f"Bearer {self.api_key}":
+            sent = record.authorization.removeprefix("Bearer ")
+            record.status = 401
+            message = (
+                f"Incorrect API key provided: {sent}. You can find your API key at your dashboard."
+            )
+            self._send(
+                handler, 401, self._error(401, message, "invalid_request_error", "invalid_api_key")
+            )
+            return
+        model = str(body.get("model", ""))
+        if self.models is not None and model not in self.models:
+            record.status = 404
+            message = f"The model `{model}` does not exist or you do not have access to it."
+            self._send(
+                handler, 404, self._error(404, message, "invalid_request_error", "model_not_found")
+            )
+            return
+        fault = (
+            self.faults(endpoint, record.key, record.attempt) if self.faults is not None else None
+        )
+        record.fault = fault
+        time.sleep(self.delay if endpoint == "chat" else self.embed_delay)
+        if fault == "429":
+            record.status = 429
+            self._send(
+                handler,
+                429,
+                self._error(
+                    429, "Rate limit reached, please retry", "requests", "rate_limit_exceeded"
+                ),
+                {"Retry-After": self.retry_after},
+            )
+            return
+        if fault == "quota":
+            record.status = 429
+            message = "You exceeded your current quota, please check your plan and billing details."
+            self._send(
+                handler, 429, self._error(429, message, "insufficient_quota", "insufficient_quota")
+            )
+            return
+        if fault in {"500", "400", "401", "403", "404"}:
+            record.status = int(fault)
+            self._send(
+                handler,
+                record.status,
+                self._error(record.status, f"injected {fault}", "server_error"),
+            )
+            return
+        if fault == "drop":
+            record.status = -1
+            handler.close_connection = True
+            with contextlib.suppress(OSError):
+                handler.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if fault == "slow":
+            time.sleep(self.slow_seconds)
+        payload = self._chat(body, fault) if endpoint == "chat" else self._embeddings(body, fault)
+        record.status = 200
+        record.ok = fault is None
+        self._send(handler, 200, payload)
+
+    def _chat(self, body: dict[str, Any], fault: str | None) -> dict[str, Any]:
+        messages = body.get("messages") or []
+        prompt = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
+        limit = body.get("max_tokens") or body.get("max_completion_tokens")
+        content = fake_completion(prompt, limit)
+        finish = "stop"
+        if fault == "empty":
+            content = ""
+        elif fault == "truncated":
+            content, finish = " ".join(content.split()[:3]), "length"
+        prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
+        return {
+            "id": f"chatcmpl-{hashlib.sha256(prompt.encode()).hexdigest()[:12]}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model", ""),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": finish,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": len(content.split()),
+                "total_tokens": prompt_tokens + len(content.split()),
+            },
+        }
+
+    def _embeddings(self, body: dict[str, Any], fault: str | None) -> dict[str, Any]:
+        raw = body.get("input", [])
+        texts = [] if fault == "empty" else [raw] if isinstance(raw, str) else list(raw)
+        data = []
+        for i, text in enumerate(texts):
+            vector = fake_embedding(str(text), self.dim).astype("<f4")
+            if body.get("encoding_format") == "base64":
+                value: Any = base64.b64encode(vector.tobytes()).decode("ascii")
+            else:
+                value = [float(x) for x in vector]
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        data.reverse()  # clients must order by "index", not by position
+        tokens = sum(len(str(t).split()) for t in texts)
+        return {
+            "object": "list",
+            "data": data,
+            "model": body.get("model", ""),
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
+
+# -- building through the server ---------------------------------------------------------------
+#: A small multi-topic corpus: 8 documents of 4 sentences each.
+CORPUS = [
+    f"Report {i} covers {topic}. The {topic} team met on day {i} and wrote notes. "
+    f"Several {topic} results were better than expected in week {i}. "
+    f"Next steps for {topic} include review number {i} and a budget."
+    for i, topic in enumerate(
+        ["rockets", "bread", "cats", "rivers", "rockets", "bread", "cats", "rivers"]
+    )
+]
+
+
+class GroupClusterer:
+    """Deterministic clusterer: consecutive groups of ``size`` rows (fast, no UMAP)."""
+
+    def __init__(self, size: int = 3) -> None:
+        self.size = size
+
+    def cluster(self, vectors: np.ndarray) -> list[list[int]]:
+        n = len(vectors)
+        return [list(range(i, min(i + self.size, n))) for i in range(0, n, self.size)]
+
+
+def openai_builder(
+    url: str,
+    *,
+    api_key: str = "sk-test-key",
+    max_concurrency: int = 4,
+    timeout: float = 2.0,
+    max_retries: int = 6,
+    cache: object = None,
+    clusterer: object | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A TreeBuilder whose embedder and summariser talk to ``url`` with the real client.
+
+    Fast retries (backoff 10 ms) and a whitespace tokenizer keep the tests short.
+    """
+    from raptor_core.backends.openai import OpenAIEmbedder, OpenAISummarizer
+    from raptor_core.builder import TreeBuilder
+    from raptor_core.testing import WhitespaceTokenizer
+
+    retry = {"timeout": timeout, "max_retries": max_retries, "backoff": 0.01, "max_backoff": 0.05}
+    embedder = OpenAIEmbedder(
+        "fake-embed",
+        base_url=url,
+        api_key=api_key,
+        batch_size=8,
+        max_concurrency=max_concurrency,
+        **retry,
+    )
+    summarizer = OpenAISummarizer("fake-chat", base_url=url, api_key=api_key, **retry)
+    params: dict[str, Any] = {
+        "tokenizer": WhitespaceTokenizer(),
+        "clusterer": clusterer if clusterer is not None else GroupClusterer(),
+        "chunk_max_tokens": 12,
+        "summary_max_tokens": 20,
+        "max_concurrency": max_concurrency,
+        "cache": cache,
+    }
+    params.update(kwargs)
+    return TreeBuilder(embedder, summarizer, **params)
+
+
+def tree_signature(tree: Any) -> list[tuple[str, str, tuple[str, ...]]]:
+    """Node ids, texts and children: what must match between two builds."""
+    return [(n.id, n.text, tuple(n.children)) for n in tree.nodes]

@@ -1,0 +1,218 @@
+"""The strategy factory, behaviour shared by every strategy, the CLI's --strategy and exports."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import raptor_core
+from raptor_core import (
+    STRATEGIES,
+    CollapsedTreeRetriever,
+    HybridRetriever,
+    InvalidInputError,
+    InvalidParameterError,
+    LLMGuidedRetriever,
+    Tree,
+    TreeRetriever,
+    TreeTraversalRetriever,
+    ValueBasedRetriever,
+    make_retriever,
+)
+from raptor_core.cli import main
+from raptor_core.strategies import accepted_params
+from raptor_core.testing import FakeEmbedder, ScriptedLLM, random_tree, tiny_tree
+
+
+def any_llm() -> ScriptedLLM:
+    """Selects nothing, never judges "enough": the LLM paths run and end quickly."""
+    return ScriptedLLM(default='{"selected": [], "enough": false}')
+
+
+@pytest.fixture
+def tree() -> Tree:
+    return tiny_tree()
+
+
+def build(strategy: str, tree: Tree, **params) -> TreeRetriever:
+    return make_retriever(strategy, tree, FakeEmbedder(tree.dim), llm=any_llm(), **params)
+
+
+def test_strategy_names_and_classes(tree: Tree) -> None:
+    assert STRATEGIES == ("collapsed", "traversal", "value", "llm", "hybrid")
+    expected = [
+        CollapsedTreeRetriever,
+        TreeTraversalRetriever,
+        ValueBasedRetriever,
+        LLMGuidedRetriever,
+        HybridRetriever,
+    ]
+    assert [type(build(s, tree)) for s in STRATEGIES] == expected
+    assert build("traversal", tree, top_k=2, threshold=0.5).get_params()["threshold"] == 0.5
+
+
+def test_unknown_strategy(tree: Tree) -> None:
+    with pytest.raises(InvalidParameterError, match="choose one of collapsed, traversal"):
+        make_retriever("bm25", tree, FakeEmbedder(tree.dim))
+
+
+@pytest.mark.parametrize("strategy", ["llm", "hybrid"])
+def test_llm_strategies_need_an_llm(tree: Tree, strategy: str) -> None:
+    with pytest.raises(InvalidParameterError, match="needs an LLM"):
+        make_retriever(strategy, tree, FakeEmbedder(tree.dim))
+
+
+def test_llm_is_ignored_by_vector_strategies(tree: Tree) -> None:
+    retriever = make_retriever("collapsed", tree, FakeEmbedder(tree.dim), llm=any_llm(), k=2)
+    assert len(retriever.retrieve("cats")) == 2
+
+
+def test_parameters_a_strategy_does_not_accept(tree: Tree) -> None:
+    with pytest.raises(InvalidParameterError, match="does not accept threshold; it accepts: k, "):
+        make_retriever("collapsed", tree, FakeEmbedder(tree.dim), threshold=0.5)
+    assert "chunk_k" in accepted_params("value") and "llm" not in accepted_params("hybrid")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_empty_tree_gives_no_hits(strategy: str) -> None:
+    empty = Tree(nodes=(), embeddings=np.zeros((0, 8), np.float32))
+    assert build(strategy, empty).retrieve("anything") == []
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("query", ["", "   ", None, 42])
+def test_empty_or_non_text_query_is_an_input_error(tree: Tree, strategy: str, query) -> None:
+    with pytest.raises(InvalidInputError):
+        build(strategy, tree).retrieve(query)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_k_larger_than_the_tree(tree: Tree, strategy: str) -> None:
+    llm = ScriptedLLM(default="not json")  # the LLM paths fall back to similarity
+    retriever = make_retriever(
+        strategy, tree, FakeEmbedder(tree.dim), llm=llm, k=1000, max_tokens=None
+    )
+    hits = retriever.retrieve("cats purr")
+    assert 0 < len(hits) <= len(tree)
+    assert len({h.id for h in hits}) == len(hits)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_similar_nodes(tree: Tree, strategy: str) -> None:
+    assert build(strategy, tree, min_score=0.99).retrieve("cats purr") == []
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("budget", [5, 30, 80])
+def test_every_strategy_honours_max_tokens(strategy: str, budget: int) -> None:
+    tree = random_tree(80, fanout=4, dim=16, random_state=1)
+    retriever = make_retriever(
+        strategy,
+        tree,
+        FakeEmbedder(tree.dim),
+        llm=ScriptedLLM(default="not json"),  # LLM paths fall back to similarity
+        k=50,
+        max_tokens=budget,
+    )
+    hits = retriever.retrieve("leaf 7 summary")
+    assert sum(h.node.token_count for h in hits) <= budget
+    assert all(h.node.token_count <= budget for h in hits)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bad_k_and_max_tokens(tree: Tree, strategy: str) -> None:
+    for params in ({"k": 0}, {"max_tokens": -5}):
+        with pytest.raises(InvalidParameterError):
+            build(strategy, tree).retrieve("cats", **params)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_aretrieve_inside_a_running_loop(tree: Tree, strategy: str) -> None:
+    retriever = build(strategy, tree, k=3)
+    assert [h.id for h in await retriever.aretrieve("cats purr")] == [
+        h.id for h in retriever.retrieve("cats purr")
+    ]
+
+
+def test_public_names_are_exported() -> None:
+    names = {
+        "TreeTraversalRetriever",
+        "ValueBasedRetriever",
+        "LLMGuidedRetriever",
+        "HybridRetriever",
+        "HybridResult",
+        "JudgeDecision",
+        "NumpyIndex",
+        "FaissIndex",
+        "STRATEGIES",
+        "make_retriever",
+    }
+    assert names <= set(raptor_core.__all__)
+    assert all(hasattr(raptor_core, n) for n in names)
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+@pytest.fixture
+def tree_dir(tmp_path, tree: Tree):
+    described = Tree(
+        nodes=tree.nodes,
+        embeddings=tree.embeddings,
+        params={"embedder": {"class": "raptor_core.testing.FakeEmbedder", "dim": tree.dim}},
+    )
+    return str(described.save(tmp_path / "tree"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "source"),
+    [
+        ([], "collapsed"),
+        (["--strategy", "traversal", "--top-k-per-layer", "1"], "traversal"),
+        (["--strategy", "traversal", "--threshold", "0.1", "--start-layer", "1"], "traversal"),
+        (["--strategy", "value", "--chunk-k", "2"], "value"),
+        (["--strategy", "collapsed", "--layers", "0", "--min-score", "0.1"], "collapsed"),
+    ],
+)
+def test_cli_query_strategies(tree_dir: str, capsys, flags: list[str], source: str) -> None:
+    assert main(["query", tree_dir, "cats purr", "--json", *flags]) == 0
+    hits = json.loads(capsys.readouterr().out)
+    assert hits and {h["source"] for h in hits} == {source}
+
+
+def test_cli_traversal_shows_paths(tree_dir: str, capsys) -> None:
+    main(
+        [
+            "query",
+            tree_dir,
+            "cats purr",
+            "--json",
+            "--strategy",
+            "traversal",
+            "--top-k-per-layer",
+            "1",
+        ]
+    )
+    hits = json.loads(capsys.readouterr().out)
+    assert [h["id"] for h in hits] == ["L1.0", "L0.0"]
+    assert "path" not in hits[0] and hits[1]["path"] == ["L1.0", "L0.0"]
+
+
+@pytest.mark.parametrize("strategy", ["llm", "hybrid"])
+def test_cli_llm_strategies_need_an_llm(tree_dir: str, capsys, strategy: str) -> None:
+    assert main(["query", tree_dir, "cats", "--strategy", strategy]) == 2
+    assert f"--strategy {strategy} needs an LLM: pass --llm" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--threshold", "0.5"], "--threshold does not apply to --strategy collapsed"),
+        (["--strategy", "value", "--layers", "0"], "--layers does not apply to --strategy value"),
+        (["--layers", "zero"], "--layers takes comma-separated layer numbers"),
+        (["--strategy", "traversal", "--start-layer", "7"], "start_layer must be in"),
+    ],
+)
+def test_cli_strategy_errors(tree_dir: str, capsys, flags: list[str], message: str) -> None:
+    assert main(["query", tree_dir, "cats", *flags]) == 2
+    assert message in capsys.readouterr().err
