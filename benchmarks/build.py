@@ -103,7 +103,8 @@ def main() -> int:
     print(
         f"input: {source}: {len(docs)} documents, {n_tokens} tokens, {tree.build_info['chunks']} chunks"
     )
-    print(f"tree: {', '.join(f'L{x['layer']}={x['nodes']}' for x in tree.build_info['layers'])}")
+    shape = ", ".join(f"L{x['layer']}={x['nodes']}" for x in tree.build_info["layers"])
+    print(f"tree: {shape}")
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {sys.version.split()[0]}"
     )

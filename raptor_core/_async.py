@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 __all__ = ["run_sync"]
 
@@ -61,4 +61,4 @@ def run_sync(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
     worker.join()
     if "error" in box:
         raise box["error"]
-    return box["result"]  # type: ignore[no-any-return]
+    return cast(T, box["result"])

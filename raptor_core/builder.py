@@ -273,7 +273,7 @@ class TreeBuilder:
             while run.next_clusters():
                 summaries = run.summarize_sync()
                 run.add_layer(summaries)
-                run.commit_layer(run.embed_sync(summaries))
+                run.commit_layer(run.assemble_vectors(run.embed_sync(run.texts_to_embed())))
         return run.finish()
 
     async def abuild(self, documents: Iterable[str | Document | Mapping[str, Any]]) -> Tree:
@@ -288,7 +288,7 @@ class TreeBuilder:
         while await asyncio.to_thread(run.next_clusters):
             summaries = await run.summarize_async()
             run.add_layer(summaries)
-            run.commit_layer(await run.aembed(summaries))
+            run.commit_layer(run.assemble_vectors(await run.aembed(run.texts_to_embed())))
         return run.finish()
 
     def estimate(self, documents: Iterable[str | Document | Mapping[str, Any]]) -> BuildEstimate:
@@ -542,8 +542,14 @@ class _BuildRun:
             # A layer that re-summarises one cluster adds a node but no structure (issue #2).
             self.stop_reason = f"layer {self.layer} forms a single cluster"
             return False
-        if len(clusters) >= n:
-            self.stop_reason = f"clustering layer {self.layer} no longer groups nodes"
+        merging = sum(1 for c in clusters if len(c) > 1)
+        if merging < 2:
+            # Single-member clusters are carried up unchanged, so with fewer than two real
+            # groups the new layer would be (almost) a copy of this one.
+            self.stop_reason = (
+                f"clustering layer {self.layer} no longer groups nodes "
+                f"({len(clusters)} clusters, {merging} with more than one member)"
+            )
             return False
         self.clusters = clusters
         return True
@@ -551,6 +557,33 @@ class _BuildRun:
     # -- stage: summarise ----------------------------------------------------------------------
     def _cluster_texts(self) -> list[list[str]]:
         return [[self.layer_nodes[i].text for i in cluster] for cluster in self.clusters]
+
+    def _to_summarize(self) -> list[int]:
+        """Clusters that need a summary: a single-member cluster is carried up unchanged.
+
+        Summarising one node only paraphrases it (or, extractively, copies it): that costs an
+        LLM call and puts a near-duplicate next to the original in every search.
+        """
+        return [i for i, cluster in enumerate(self.clusters) if len(cluster) > 1]
+
+    def _with_carried(self, summaries: Sequence[object]) -> list[object]:
+        out: list[object] = [self.layer_nodes[c[0]].text for c in self.clusters]
+        for i, summary in zip(self._to_summarize(), summaries, strict=True):
+            out[i] = summary
+        return out
+
+    def texts_to_embed(self) -> list[str]:
+        """Texts of the new layer that need an embedding (after :meth:`add_layer`)."""
+        return [self.layer_nodes[i].text for i in self._to_summarize()]
+
+    def assemble_vectors(self, fresh: NDArray[np.float32]) -> NDArray[np.float32]:
+        """Vectors of the new layer: fresh ones for summaries, the member's for carried nodes."""
+        below = self.layer_vectors  # still the previous layer until commit_layer
+        out = below[[c[0] for c in self.clusters]].copy()
+        todo = self._to_summarize()
+        if todo:
+            out[todo] = fresh
+        return out
 
     def _wrap(self, index: int, exc: BaseException) -> RaptorError:
         where = f"layer {self.layer + 1}, cluster {index} ({len(self.clusters[index])} nodes)"
@@ -571,7 +604,9 @@ class _BuildRun:
 
     def summarize_sync(self) -> list[str]:
         start = time.perf_counter()
-        texts = self._cluster_texts()
+        todo = self._to_summarize()
+        all_texts = self._cluster_texts()
+        texts = [all_texts[i] for i in todo]
         limit = self.b.summary_max_tokens
         batch = getattr(self.summarizer, "summarize_batch", None)
         results: list[object]
@@ -579,7 +614,7 @@ class _BuildRun:
             try:
                 results = list(batch(texts, max_tokens=limit))
             except Exception as exc:
-                raise self._wrap(0, exc) from exc
+                raise self._wrap(todo[0], exc) from exc
             self._progress("summarize", len(texts), len(texts))
         else:
             results = [None] * len(texts)
@@ -602,7 +637,7 @@ class _BuildRun:
                     for done, (i, fut) in enumerate(zip(range(len(texts)), futures, strict=True), 1):
                         error = fut.exception()
                         if error is not None:
-                            raise self._wrap(i, error) from error
+                            raise self._wrap(todo[i], error) from error
                         self._progress("summarize", done, len(texts))
                 except BaseException:
                     stop.set()
@@ -610,11 +645,14 @@ class _BuildRun:
                         other.cancel()
                     raise
         self.timings["summarize"] += time.perf_counter() - start
-        return [self._checked_summary(i, s) for i, s in enumerate(results)]
+        checked = [self._checked_summary(i, s) for i, s in zip(todo, results, strict=True)]
+        return [str(s) for s in self._with_carried(checked)]
 
     async def summarize_async(self) -> list[str]:
         start = time.perf_counter()
-        texts = self._cluster_texts()
+        todo = self._to_summarize()
+        all_texts = self._cluster_texts()
+        texts = [all_texts[i] for i in todo]
         limit = self.b.summary_max_tokens
         semaphore = asyncio.Semaphore(self.b.max_concurrency)
         done = 0
@@ -628,10 +666,10 @@ class _BuildRun:
                     else:
                         summary = await asyncio.to_thread(self.summarizer.summarize, texts[i], max_tokens=limit)
                 except Exception as exc:
-                    raise self._wrap(i, exc) from exc
+                    raise self._wrap(todo[i], exc) from exc
             done += 1
             self._progress("summarize", done, len(texts))
-            return self._checked_summary(i, summary)
+            return self._checked_summary(todo[i], summary)
 
         tasks = [asyncio.ensure_future(one(i)) for i in range(len(texts))]
         try:
@@ -641,7 +679,7 @@ class _BuildRun:
                 task.cancel()
             raise
         self.timings["summarize"] += time.perf_counter() - start
-        return list(results)
+        return [str(s) for s in self._with_carried(list(results))]
 
     # -- stage: next layer ---------------------------------------------------------------------
     def add_layer(self, summaries: list[str]) -> None:
@@ -657,14 +695,17 @@ class _BuildRun:
             for member in members:
                 for doc_id in member.doc_ids:
                     covered.setdefault(doc_id, None)
+            carried = len(members) == 1
             new_nodes.append(
                 Node(
                     id=f"L{self.layer}.{i}",
                     text=summary,
                     layer=self.layer,
-                    token_count=count_tokens(self.tokenizer, summary),
+                    token_count=members[0].token_count if carried else count_tokens(self.tokenizer, summary),
                     children=tuple(m.id for m in members),
                     doc_ids=tuple(covered),
+                    # Marks a copy of its only child, so retrieval can skip the duplicate.
+                    metadata={"carried": True} if carried else {},
                 )
             )
         self.layer_nodes = new_nodes

@@ -260,6 +260,8 @@ class LLMGuidedRetriever(TreeRetriever):
             row_score = dict(zip(rows.tolist(), scores[ranked].tolist(), strict=True))
             for row, reason in choices:
                 done.add(row)
+                if tree.carried_mask[row]:
+                    continue  # a copy of its only child, which is shown next
                 cost = int(tokens[row])
                 if max_tokens is not None and used + cost > max_tokens:
                     continue  # too long to return, but its children may fit

@@ -295,13 +295,14 @@ class CollapsedTreeRetriever(TreeRetriever):
                 range(rows.shape[0]), self.tree.token_counts[rows], k=k, max_tokens=max_tokens
             )
             return [self._hit(int(rows[i]), float(scores[i])) for i in taken]
-        all_scores, rows = block_scores(self.tree, vector, self.layers)  # (n_candidates,)
-        tokens = self.tree.token_counts if rows is None else self.tree.token_counts[rows]
+        all_scores, pool = block_scores(self.tree, vector, self.layers)  # (n_candidates,)
+        tokens = self.tree.token_counts if pool is None else self.tree.token_counts[pool]
+        carried = self.tree.carried_mask if pool is None else self.tree.carried_mask[pool]
         taken = rank_and_fill(
-            all_scores, tokens, k=k, max_tokens=max_tokens, min_score=self.min_score
+            all_scores, tokens, k=k, max_tokens=max_tokens, min_score=self.min_score, exclude=carried
         )
         return [
-            self._hit(int(local) if rows is None else int(rows[local]), float(all_scores[local]))
+            self._hit(int(local) if pool is None else int(pool[local]), float(all_scores[local]))
             for local in taken
         ]
 
@@ -321,6 +322,8 @@ class CollapsedTreeRetriever(TreeRetriever):
             pairs = index.search(vector, m, restrict_to=restrict)
             rows = rows_of(self.tree, [i for i, _ in pairs])
             scores = np.fromiter((s for _, s in pairs), dtype=np.float32, count=len(pairs))
+            original = ~self.tree.carried_mask[rows]  # skip copies of a single child
+            rows, scores = rows[original], scores[original]
             if self.min_score is not None:
                 keep = scores >= self.min_score
                 exhausted = not bool(keep.all())
@@ -358,8 +361,11 @@ def rank_and_fill(
     k: int,
     max_tokens: int | None,
     min_score: float | None = None,
+    exclude: NDArray[np.bool_] | None = None,
 ) -> list[int]:
     """Positions of the best ``scores`` that fill ``k`` hits within ``max_tokens`` (best first).
+
+    Positions where ``exclude`` is True are never taken.
 
     Only a prefix of the ranking is sorted (``argpartition``); it grows when nodes that do not
     fit the budget had to be skipped.
@@ -373,6 +379,8 @@ def rank_and_fill(
             keep = scores[ranked] >= min_score
             exhausted = not bool(keep.all())  # ranked is sorted: nothing further qualifies
             ranked = ranked[keep]
+        if exclude is not None:
+            ranked = ranked[~exclude[ranked]]
         taken = fill_budget(ranked, tokens, k=k, max_tokens=max_tokens)
         budget_full = max_tokens is not None and int(tokens[taken].sum()) >= max_tokens
         if len(taken) >= k or budget_full or exhausted or m >= n:

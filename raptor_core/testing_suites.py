@@ -25,7 +25,7 @@ __all__ = ["VectorIndexTests"]
 
 def _unit_rows(n: int, dim: int, seed: int) -> NDArray[np.float32]:
     rows = np.random.default_rng(seed).standard_normal((n, dim)).astype(np.float32)
-    return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+    return (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float32)
 
 
 class VectorIndexTests:

@@ -39,21 +39,24 @@ def check_layer_span(tree: Tree, start_layer: object, num_layers: object) -> Non
     at most ``start_layer + 1``: there are only that many layers from ``start_layer`` down
     to the leaves.  On an empty tree only the types are checked.
     """
+    values: dict[str, int | None] = {}
     for name, value in (("start_layer", start_layer), ("num_layers", num_layers)):
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int | np.integer)
         ):
             msg = f"{name} must be an integer or None, got {value!r}"
             raise InvalidParameterError(msg)
-    if start_layer is not None and (
-        start_layer < 0 or (len(tree) and start_layer > tree.top_layer)
-    ):  # type: ignore[operator]
+        values[name] = None if value is None else int(value)
+    start_value, steps = values["start_layer"], values["num_layers"]
+    if start_value is not None and (
+        start_value < 0 or (len(tree) and start_value > tree.top_layer)
+    ):
         msg = f"start_layer must be in [0, {tree.top_layer}] (the top layer), got {start_layer}"
         raise InvalidParameterError(msg)
-    if num_layers is not None:
-        _check_positive_int("num_layers", num_layers)
-        start = tree.top_layer if start_layer is None else int(start_layer)  # type: ignore[call-overload]
-        if len(tree) and num_layers > start + 1:  # type: ignore[operator]
+    if steps is not None:
+        _check_positive_int("num_layers", steps)
+        start = tree.top_layer if start_value is None else start_value
+        if len(tree) and steps > start + 1:
             msg = (
                 f"num_layers must be at most start_layer + 1 = {start + 1} (the layers from "
                 f"{start} down to the leaves), got {num_layers}"
@@ -152,6 +155,7 @@ class TreeTraversalRetriever(TreeRetriever):
         start = tree.top_layer if self.start_layer is None else int(self.start_layer)
         steps = start + 1 if self.num_layers is None else int(self.num_layers)
         frontier = tree.layer_rows(start)
+        carried = tree.carried_mask
         # Step 0 scores a whole layer: score it as a (view) block of the matrix.
         scores = block_scores(tree, vector, [start])[0]
         via: dict[int, int] = {}  # child row -> the best selected parent that led to it
@@ -167,8 +171,9 @@ class TreeTraversalRetriever(TreeRetriever):
             for rank, local in enumerate(chosen):
                 row = int(frontier[local])
                 reason = self._reason(tree.nodes[row].layer, float(scores[local]), rank, n, step)
-                picked.append((row, float(scores[local]), reason))
                 picked_rows.add(row)
+                if not carried[row]:  # a copy of its only child: expanded, not returned
+                    picked.append((row, float(scores[local]), reason))
             if step == steps - 1 or chosen.shape[0] == 0:
                 break
             frontier = expand(tree, frontier[chosen].tolist(), via, picked_rows)

@@ -147,6 +147,7 @@ class Tree:
     _layers: tuple[NDArray[np.intp], ...] = field(init=False, repr=False)
     _layer_of: NDArray[np.intp] = field(init=False, repr=False)
     _tokens: NDArray[np.int64] = field(init=False, repr=False)
+    _carried: NDArray[np.bool_] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         nodes = tuple(self.nodes)
@@ -200,6 +201,14 @@ class Tree:
         tokens.flags.writeable = False
         object.__setattr__(self, "_layer_of", layer_of)
         object.__setattr__(self, "_tokens", tokens)
+        carried = np.fromiter(
+            (len(n.children) == 1 and n.metadata.get("carried") is True and n.text == nodes[row[n.children[0]]].text
+             for n in nodes),
+            dtype=np.bool_,
+            count=len(nodes),
+        )
+        carried.flags.writeable = False
+        object.__setattr__(self, "_carried", carried)
 
     # -- shape ---------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -307,6 +316,16 @@ class Tree:
     def layer_of_rows(self) -> NDArray[np.intp]:
         """``(n,)`` layer of each row, for vectorised filtering (read-only)."""
         return self._layer_of
+
+    @property
+    def carried_mask(self) -> NDArray[np.bool_]:
+        """``(n,)`` True for nodes that carry their only child up unchanged (read-only).
+
+        TreeBuilder does not summarise a single-member cluster: it copies the member into the
+        next layer so that every branch reaches the top.  Retrieval skips these copies, which
+        would otherwise take a second slot with the same text.
+        """
+        return self._carried
 
     @property
     def token_counts(self) -> NDArray[np.int64]:

@@ -187,10 +187,12 @@ class ValueBasedRetriever(TreeRetriever):
         shift = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
         node_rows = members[shift + np.arange(int(lengths.sum()))]
         pair_chunk = np.repeat(np.arange(chunk_rows.shape[0], dtype=np.intp), lengths)
+        # A carried node copies its only child: same chunks, same score, same text.
+        keep = ~tree.carried_mask[node_rows]
         if self.include != "all":
             is_leaf = tree.layer_of_rows[node_rows] == 0
-            keep = is_leaf if self.include == "leaves" else ~is_leaf
-            node_rows, pair_chunk = node_rows[keep], pair_chunk[keep]
+            keep &= is_leaf if self.include == "leaves" else ~is_leaf
+        node_rows, pair_chunk = node_rows[keep], pair_chunk[keep]
         uniq, inverse = np.unique(node_rows, return_inverse=True)
         inverse = inverse.reshape(-1)
         sums = np.bincount(

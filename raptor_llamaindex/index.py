@@ -40,8 +40,8 @@ from raptor_llamaindex.retriever import (
     RaptorRetriever,
     merge_retriever_params,
     read_params,
+    save_with_params,
     strategy_param_names,
-    write_params,
 )
 
 __all__ = ["RaptorIndex"]
@@ -598,20 +598,19 @@ class RaptorIndex:
         :meth:`raptor_core.Tree.save`) and ``raptor_llamaindex.json``.  Models are not saved:
         pass them to :meth:`load` (or configure ``Settings``).
         """
-        directory = self._tree.save(persist_dir)
         documents = None
         if self._documents is not None:
             documents = [
                 {"doc_id": d.doc_id, "text": d.text, "metadata": dict(d.metadata)}
                 for d in self._documents
             ]
-        write_params(
-            directory,
+        return save_with_params(
+            self._tree,
+            persist_dir,
             retriever=self._retriever_kwargs,
             builder=_jsonable_builder_args(self._builder_kwargs),
             documents=documents,
         )
-        return directory
 
     @classmethod
     def load(

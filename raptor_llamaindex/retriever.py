@@ -351,9 +351,7 @@ class RaptorRetriever(BaseRetriever):
         The tree is written by :meth:`raptor_core.Tree.save` (plain JSON + ``.npy``, atomic);
         the parameters go to ``raptor_llamaindex.json`` beside it.
         """
-        directory = self.tree.save(persist_dir)
-        write_params(directory, retriever=self.get_params())
-        return directory
+        return save_with_params(self.tree, persist_dir, retriever=self.get_params())
 
     @classmethod
     def from_persist_dir(
@@ -393,18 +391,27 @@ def merge_retriever_params(
     return {**base, **strategy_params, **overrides}
 
 
-def write_params(directory: Path, **sections: Any) -> None:
-    """Write ``raptor_llamaindex.json`` atomically (temp file + ``os.replace``)."""
+def save_with_params(tree: Tree, path: str | os.PathLike[str], **sections: Any) -> Path:
+    """Save ``tree`` and write ``raptor_llamaindex.json`` (``sections``) beside it.
+
+    The parameters are encoded first, so a value that cannot be saved (an object passed as a
+    strategy parameter) fails before anything is written.  Both writes are atomic
+    (temp file + ``os.replace``).
+    """
     document = {"format": _FORMAT, "format_version": _FORMAT_VERSION, **sections}
     try:
         payload = json.dumps(document, ensure_ascii=False, indent=1, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        msg = f"retrieval parameters must be JSON-serialisable to persist them: {exc}"
+        msg = (
+            f"cannot persist: retrieval parameters must be JSON-serialisable ({exc}); "
+            "pass objects such as a vector index again when loading instead"
+        )
         raise InvalidParameterError(msg) from exc
-    target = directory / PARAMS_FILE
+    directory = tree.save(path)
     tmp = directory / f".{PARAMS_FILE}.tmp"
     tmp.write_text(payload, encoding="utf-8")
-    os.replace(tmp, target)
+    os.replace(tmp, directory / PARAMS_FILE)
+    return directory
 
 
 def read_params(directory: str | os.PathLike[str]) -> dict[str, Any]:

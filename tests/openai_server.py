@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import importlib.util
 import json
 import random
 import re
@@ -35,12 +36,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import numpy as np
+import pytest
 
 from raptor_core.testing import FakeEmbedder
 
 __all__ = [
     "CORPUS",
     "FAULTS",
+    "LOCALHOST",
     "FakeOpenAIServer",
     "FaultPlan",
     "GroupClusterer",
@@ -52,6 +55,10 @@ __all__ = [
     "openai_builder",
     "tree_signature",
 ]
+
+#: Marks for a test that talks to this server: it passes ``pytest --disable-socket`` (the
+#: offline unit-test mode) when pytest-socket is installed, and is harmless when it is not.
+LOCALHOST = [pytest.mark.enable_socket] if importlib.util.find_spec("pytest_socket") else []
 
 #: Fault kinds the server can inject.
 FAULTS = ("429", "500", "slow", "drop", "empty", "truncated", "quota", "400", "401", "403", "404")

@@ -9,6 +9,7 @@ from numpy.typing import NDArray
 
 from raptor_core.backends._vectors import RestrictCache, check_add, check_k, check_query
 from raptor_core.tree import Tree
+from raptor_core.types import VectorIndex
 
 __all__ = ["NumpyIndex"]
 
@@ -116,7 +117,7 @@ class NumpyIndex:
         return [(self._ids[int(positions[i])], float(scores[i])) for i in best]
 
 
-def _add_tree(index: NumpyIndex | object, tree: Tree, layers: Collection[int] | None) -> None:
+def _add_tree(index: VectorIndex, tree: Tree, layers: Collection[int] | None) -> None:
     from raptor_core._structure import structure
 
     rows, block = structure(tree).block(layers)
@@ -127,4 +128,4 @@ def _add_tree(index: NumpyIndex | object, tree: Tree, layers: Collection[int] | 
         ids = [tree.nodes[int(r)].id for r in rows]
         vectors = tree.embeddings[block] if block is not None else tree.embeddings[rows]
     if ids:
-        index.add(ids, vectors)  # type: ignore[attr-defined]
+        index.add(ids, vectors)

@@ -262,6 +262,18 @@ class _OpenAIService:
         if client is not None:
             client.close()
 
+    async def aclose(self) -> None:
+        """Close the async HTTP client of the running event loop (call before the loop ends).
+
+        Not required: a client left open is reclaimed when the loop goes, with only a
+        ``ResourceWarning`` (shown in development mode) about its idle connections.
+        """
+        loop_id = id(asyncio.get_running_loop())
+        with self._lock:
+            client = self._aclients.pop(loop_id, None)
+        if client is not None:
+            await client.close()
+
     # -- retries -------------------------------------------------------------------------------
     def _scrub(self, text: str) -> str:
         key = self._api_key or os.environ.get("OPENAI_API_KEY")
@@ -707,6 +719,14 @@ class OpenAISummarizer(LLMSummarizer):
         self.render([""])
         self.llm.check_settings()
 
+    def close(self) -> None:
+        """Close the chat model's synchronous HTTP client."""
+        self.llm.close()
+
+    async def aclose(self) -> None:
+        """Close the chat model's async HTTP client for the running loop."""
+        await self.llm.aclose()
+
 
 class OpenAIEmbedder(_OpenAIService):
     """An :class:`~raptor_core.types.Embedder` over an OpenAI-compatible ``/embeddings``.
@@ -854,15 +874,30 @@ class OpenAIEmbedder(_OpenAIService):
         batches = list(self._batches(texts))
         if len(batches) <= 1 or self.max_concurrency == 1:
             return self._stack([self._embed_batch(b) for b in batches])
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(batches))) as pool:
-            futures = [pool.submit(self._embed_batch, b) for b in batches]
+        # Set by the first failure or Ctrl-C: the batches still queued are never sent (a rejected
+        # key costs one request per worker).  A skipped batch always follows the failed one, so
+        # collecting in order raises that failure first.
+        stop = threading.Event()
+
+        def one(batch: list[str]) -> NDArray[np.float32] | None:
+            if stop.is_set():
+                return None
             try:
-                return self._stack([f.result() for f in futures])
+                return self._embed_batch(batch)
             except BaseException:
-                # A rejected key or Ctrl-C: send none of the batches still queued.
+                stop.set()
+                raise
+
+        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(batches))) as pool:
+            futures = [pool.submit(one, b) for b in batches]
+            try:
+                parts = [f.result() for f in futures]
+            except BaseException:
+                stop.set()
                 for future in futures:
                     future.cancel()
                 raise
+        return self._stack([p for p in parts if p is not None])
 
     def embed_query(self, text: str) -> NDArray[np.float32]:
         """Embed one query; ``(d,)`` float32."""
@@ -872,10 +907,18 @@ class OpenAIEmbedder(_OpenAIService):
         """Async :meth:`embed_documents`: up to ``max_concurrency`` batches at once."""
         batches = list(self._batches(texts))
         semaphore = asyncio.Semaphore(self.max_concurrency)
+        failed = False
 
         async def one(batch: list[str]) -> NDArray[np.float32]:
+            nonlocal failed
             async with semaphore:
-                return await self._aembed_batch(batch)
+                if failed:  # another batch failed: send nothing more
+                    raise asyncio.CancelledError
+                try:
+                    return await self._aembed_batch(batch)
+                except BaseException:
+                    failed = True
+                    raise
 
         tasks = [asyncio.ensure_future(one(b)) for b in batches]
         try:

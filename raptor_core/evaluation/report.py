@@ -66,6 +66,12 @@ def _notes(result: EvalResult) -> list[str]:
     notes = []
     builds = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in result.builds.items())
     notes.append(f"index build: {builds}")
+    embeds = [e["embed_ms_p50"] for e in result.summary if e.get("embed_ms_p50") is not None]
+    if embeds:
+        notes.append(
+            f"query embedding: {max(embeds):.1f} ms p50, once per question and shared by all "
+            "retrievers (not in their latency)"
+        )
     notes.extend(f"skipped {name}: {reason}" for name, reason in result.skipped.items())
     return notes
 

@@ -65,6 +65,7 @@ __all__ = [
     "ContextRetriever",
     "EvalCorpus",
     "EvalResult",
+    "QueryCachingEmbedder",
     "RaptorStrategy",
     "RetrieverSpec",
     "available_retrievers",
@@ -200,6 +201,41 @@ class RaptorStrategy:
 
     def __call__(self, corpus: EvalCorpus) -> ContextRetriever:
         return _HitsRetriever(self.strategy, corpus, self.params)
+
+
+class QueryCachingEmbedder:
+    """Wraps an embedder so that each question is embedded once for all retrievers.
+
+    Every retriever in a run embeds the question with the same model; the harness embeds it
+    once (timed separately as ``embed_ms``) before the retrievers run, so their latencies
+    compare the search itself and the run does not pay for one model call per retriever and
+    budget.  Documents are passed through untouched.
+    """
+
+    def __init__(self, embedder: Embedder) -> None:
+        self.embedder = embedder
+        self._queries: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"QueryCachingEmbedder({self.embedder!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        # Attributes such as ``model_name_or_path`` and ``dim`` describe the wrapped model.
+        if name == "embedder":
+            raise AttributeError(name)
+        return getattr(self.embedder, name)
+
+    def embed_documents(self, texts: Sequence[str]) -> Any:
+        """Embed documents with the wrapped embedder (not cached)."""
+        return self.embedder.embed_documents(texts)
+
+    def embed_query(self, text: str) -> Any:
+        """The cached query vector, embedding it on first use."""
+        vector = self._queries.get(text)
+        if vector is None:
+            vector = self.embedder.embed_query(text)
+            self._queries[text] = vector
+        return vector
 
 
 def _core_baselines() -> dict[str, RetrieverFactory]:
@@ -397,7 +433,8 @@ class EvalResult:
     Attributes:
         config: how the run was set up (budgets, tree_per, models, seed, counts).
         rows: one dict per (question, retriever, budget): the metrics (None where the
-            question has no gold of that kind), ``context_tokens``, ``latency_ms``.
+            question has no gold of that kind), ``context_tokens``, ``latency_ms`` and
+            ``embed_ms`` (the shared query embedding, when cached).
         summary: one dict per (retriever, budget): the means of the metrics over the
             questions that have them (``n_<metric>`` says how many), mean context tokens,
             and latency mean/p50/p95 in milliseconds.
@@ -467,6 +504,8 @@ def _summarize(rows: Sequence[Mapping[str, Any]], names: Sequence[str], budgets:
             entry["latency_ms_mean"] = statistics.fmean(latencies)
             entry["latency_ms_p50"] = _quantile(latencies, 0.5)
             entry["latency_ms_p95"] = _quantile(latencies, 0.95)
+            embeds = [float(r["embed_ms"]) for r in group if r["embed_ms"] is not None]
+            entry["embed_ms_p50"] = _quantile(embeds, 0.5) if embeds else None
             out.append(entry)
     return out
 
@@ -527,6 +566,7 @@ def evaluate(
     cache_dir: str | os.PathLike[str] | None = None,
     random_state: int | None = 0,
     ngram: int = DEFAULT_NGRAM,
+    cache_query_embeddings: bool = True,
     progress: ProgressCallback | None = None,
 ) -> EvalResult:
     """Build trees, run every retriever at every budget on every question, and score them.
@@ -551,6 +591,11 @@ def evaluate(
         random_state: seed of the tree builds.
         ngram: run length of the text-matching metrics (see
             :mod:`~raptor_core.evaluation.metrics`).
+        cache_query_embeddings: embed each question once, before the retrievers run, and
+            serve that vector to all of them (:class:`QueryCachingEmbedder`): latencies then
+            measure search without the (identical) query embedding, reported apart as
+            ``embed_ms``.  False: every retriever embeds the question itself, inside its
+            timed call.
         progress: ``progress(stage, done, total)`` callback.
 
     Raises:
@@ -590,6 +635,7 @@ def evaluate(
     groups = [(d.doc_id, [d]) for d in docs] if tree_per == "doc" else [("all", docs)]
     cache = None if cache_dir is None else Path(cache_dir)
     texts = {d.doc_id: d.text for d in docs}
+    query_embedder: Embedder = QueryCachingEmbedder(embedder) if cache_query_embeddings else embedder
 
     builds: dict[str, float] = {"raptor tree": 0.0, **{s.name: 0.0 for s in specs}}
     tree_stats = {"trees": 0, "cached": 0, "nodes": 0, "leaves": 0}
@@ -609,7 +655,7 @@ def evaluate(
             name=name,
             documents=tuple(group_docs),
             tree=tree,
-            embedder=embedder,
+            embedder=query_embedder,
             tokenizer=tokenizer,
             llm=llm,
             random_state=random_state,
@@ -630,6 +676,11 @@ def evaluate(
         ids = {d.doc_id for d in group_docs}
         for question in (q for q in questions if q.doc_id in ids):
             units = gold_units(question, texts[question.doc_id])
+            embed_ms = None
+            if cache_query_embeddings:
+                started = time.perf_counter()
+                query_embedder.embed_query(question.question)
+                embed_ms = (time.perf_counter() - started) * 1000.0
             # Interleave retrievers per question, so caches and machine load hit all alike.
             for budget in budgets:
                 for spec_name, retriever in built:
@@ -652,6 +703,7 @@ def evaluate(
                             "texts": len(kept),
                             "cut": cut,
                             "latency_ms": latency,
+                            "embed_ms": embed_ms,
                         }
                     )
             n_done += 1
@@ -675,6 +727,7 @@ def evaluate(
         "builder": builder.get_params(),
         "random_state": random_state,
         "ngram": ngram,
+        "cache_query_embeddings": cache_query_embeddings,
         **tree_stats,
     }
     return EvalResult(

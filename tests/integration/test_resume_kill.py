@@ -20,11 +20,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from openai_server import CORPUS, FakeOpenAIServer, Record, openai_builder, tree_signature
+from openai_server import (
+    CORPUS,
+    LOCALHOST,
+    FakeOpenAIServer,
+    Record,
+    openai_builder,
+    tree_signature,
+)
 
 from raptor_core.tree import Tree
 
-pytestmark = [pytest.mark.enable_socket, pytest.mark.timeout(180)]
+pytestmark = [*LOCALHOST, pytest.mark.timeout(180)]
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 CHILD = textwrap.dedent(

@@ -273,3 +273,55 @@ def test_llm_summariser_template_and_empty_answer() -> None:
     assert summarizer.summarize(["a {b}"], max_tokens=5) == "Sum {x} up: a {b}"
     with pytest.raises(SummarizationError, match="empty"):
         LLMSummarizer(ScriptedLLM(default="")).summarize(["a"], max_tokens=5)
+
+
+class FixedClusterer:
+    """Returns a fixed clustering for the first layer, then one cluster (stops the build)."""
+
+    def __init__(self, first: list[list[int]]) -> None:
+        self.first = first
+        self.calls = 0
+
+    def cluster(self, vectors: np.ndarray) -> list[list[int]]:
+        self.calls += 1
+        return self.first if self.calls == 1 else [list(range(len(vectors)))]
+
+
+def test_single_member_clusters_are_carried_up_not_summarised() -> None:
+    from raptor_core.retrieval import CollapsedTreeRetriever
+
+    texts = ["Cats purr.", "Cats sleep.", "Rockets fly.", "Rockets burn.", "Bread rises."]
+    summarizer = EchoSummarizer()
+    builder = TreeBuilder(
+        FakeEmbedder(32),
+        summarizer,
+        tokenizer=WhitespaceTokenizer(),
+        clusterer=FixedClusterer([[0, 1], [2, 3], [4]]),
+        cluster_max_tokens=100,
+    )
+    tree = builder.build(texts)
+    layer1 = tree.layer(1)
+    assert len(layer1) == 3
+    assert len(summarizer.calls) == 2  # no call for the single-member cluster
+    carried = layer1[2]
+    (child,) = tree.children(carried.id)
+    assert carried.text == child.text and carried.metadata == {"carried": True}
+    assert np.array_equal(tree.embeddings[tree.row(carried.id)], tree.embeddings[tree.row(child.id)])
+    assert list(tree.carried_mask) == [False] * 7 + [True]
+    hits = CollapsedTreeRetriever(tree, FakeEmbedder(32), k=8, max_tokens=None).retrieve("bread rises")
+    assert [h.node.text for h in hits].count("Bread rises.") == 1
+    assert carried.id not in {h.id for h in hits}
+
+
+def test_layer_with_fewer_than_two_real_groups_is_not_built() -> None:
+    texts = ["Cats purr.", "Cats sleep.", "Rockets fly.", "Bread rises."]
+    builder = TreeBuilder(
+        FakeEmbedder(32),
+        EchoSummarizer(),
+        tokenizer=WhitespaceTokenizer(),
+        clusterer=FixedClusterer([[0, 1], [2], [3]]),
+        cluster_max_tokens=100,
+    )
+    tree = builder.build(texts)
+    assert tree.num_layers == 1
+    assert "no longer groups" in tree.build_info["stop_reason"]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from openai_server import (
     CORPUS,
+    LOCALHOST,
     FakeOpenAIServer,
     fake_completion,
     fault_share,
@@ -30,7 +31,7 @@ from raptor_core.exceptions import (
     LLMTimeoutError,
 )
 
-pytestmark = [pytest.mark.enable_socket, pytest.mark.timeout(120)]
+pytestmark = [*LOCALHOST, pytest.mark.timeout(120)]
 
 KEY = "sk-proj-SECRET-abcdef0123456789"
 FAST = {"backoff": 0.01, "max_backoff": 0.05}
@@ -224,6 +225,16 @@ def test_bad_key_stops_a_build_fast(caplog) -> None:
         # The batches in flight fail, none is retried, the queued ones are never sent.
         assert len(srv.requests()) <= 2
     assert wrong not in caplog.text
+
+
+async def test_bad_key_stops_async_embedding_batches() -> None:
+    with FakeOpenAIServer(api_key=KEY) as srv:
+        embedder = OpenAIEmbedder(
+            "e", base_url=srv.url, api_key="sk-bad-1234", batch_size=1, max_concurrency=2
+        )
+        with pytest.raises(LLMAuthenticationError):
+            await embedder.aembed_documents([f"text {i}" for i in range(8)])
+        assert len(srv.requests()) <= 2
 
 
 def test_bad_key_in_a_summary_layer_is_wrapped_with_its_place(caplog) -> None:

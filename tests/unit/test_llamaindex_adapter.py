@@ -922,3 +922,41 @@ def test_raptor_embedding_exposes_a_core_embedder_to_llamaindex() -> None:
         vector.as_retriever(similarity_top_k=1).retrieve("rockets orbit")[0].node.ref_doc_id
         == "rockets"
     )
+
+
+def test_document_metadata_exclusions_survive(tmp_path: Any) -> None:
+    docs = documents()
+    for doc in docs:
+        doc.metadata["file_path"] = f"/data/{doc.doc_id}.txt"
+        doc.excluded_llm_metadata_keys = ["file_path"]
+    index = RaptorIndex.from_documents(docs, embed_model=FakeEmbedder(32), **fast_options())
+    assert index.retriever_kwargs["excluded_llm_metadata_keys"] == ["file_path"]
+    leaf = next(
+        n.node
+        for n in index.as_retriever(similarity_top_k=20).retrieve("cats purr")
+        if n.node.metadata["raptor_layer"] == 0
+    )
+    assert leaf.metadata["file_path"].startswith("/data/")
+    assert "file_path" not in leaf.get_content(metadata_mode=MetadataMode.LLM)
+    assert "file_path" in leaf.get_content(metadata_mode=MetadataMode.EMBED)
+    assert "topic" in leaf.get_content(metadata_mode=MetadataMode.LLM)
+    index.persist(tmp_path)
+    loaded = RaptorIndex.load(tmp_path, embed_model=FakeEmbedder(32), **fast_options())
+    assert loaded.as_retriever().excluded_llm_metadata_keys == ["file_path"]
+    extra = Document(text="Volcanoes erupt lava.", id_="volcano", metadata={"owner": "x"})
+    extra.excluded_embed_metadata_keys = ["owner"]
+    loaded.insert(extra)
+    assert loaded.retriever_kwargs["excluded_embed_metadata_keys"] == ["owner"]
+
+
+def test_persist_refuses_unsaveable_parameters_before_writing(tmp_path: Any) -> None:
+    from raptor_core.backends.numpy_index import NumpyIndex
+
+    tree = tiny_tree()
+    vector_index = NumpyIndex()
+    vector_index.add([n.id for n in tree.nodes], np.asarray(tree.embeddings))
+    retriever = RaptorRetriever(tree, FakeEmbedder(tree.dim), index=vector_index)
+    assert retriever.retrieve("cats")
+    with pytest.raises(InvalidParameterError, match="JSON"):
+        retriever.persist(tmp_path / "r")
+    assert not (tmp_path / "r").exists()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from openai_server import (
     CORPUS,
+    LOCALHOST,
     FakeOpenAIServer,
     GroupClusterer,
     fake_completion,
@@ -45,7 +46,7 @@ from raptor_core.types import (
     Summarizer,
 )
 
-pytestmark = [pytest.mark.enable_socket, pytest.mark.timeout(120)]
+pytestmark = [*LOCALHOST, pytest.mark.timeout(120)]
 
 KEY = "sk-test-key-0123456789"
 
@@ -134,6 +135,10 @@ async def test_async_complete_and_summarize(server) -> None:
         DEFAULT_SUMMARY_PROMPT.replace("{context}", "alpha beta gamma"), 9
     )
     assert llm.usage.snapshot()["calls"] == 5
+    await llm.aclose()
+    await summarizer.aclose()
+    assert await llm.acomplete("after close") == fake_completion("after close")  # reopened
+    await llm.aclose()
 
 
 def test_async_client_survives_a_new_event_loop(server) -> None:
@@ -163,7 +168,7 @@ def test_embedder_batches_and_keeps_order(server) -> None:
 
 
 async def test_embedder_concurrency_is_bounded() -> None:
-    with FakeOpenAIServer(embed_delay=0.1) as srv:
+    with FakeOpenAIServer(embed_delay=0.2) as srv:
         embedder = OpenAIEmbedder(
             "e", base_url=srv.url, api_key=KEY, batch_size=2, max_concurrency=3
         )
@@ -173,7 +178,7 @@ async def test_embedder_concurrency_is_bounded() -> None:
         elapsed = time.perf_counter() - start
         assert vectors.shape == (16, srv.dim)
         assert srv.max_in_flight == 3
-        assert elapsed < 8 * 0.1  # 3 at a time: about 3 delays, never 8
+        assert elapsed < 6 * 0.2  # 3 at a time: about 3 delays; one at a time would be 8
         srv.reset()
         embedder.embed_documents(texts)
         assert srv.max_in_flight <= 3
@@ -299,7 +304,7 @@ def test_a_layer_takes_about_n_over_limit_delays(mode: str) -> None:
         spent = tree.build_info["timings"]["summarize"]
         assert srv.max_in_flight == limit  # the limit is reached, never passed
         # (N / limit) * delay = 0.6 s; sequential would be 2.4 s.
-        assert (n_clusters / limit) * delay * 0.9 <= spent < (n_clusters / limit + 3) * delay
+        assert (n_clusters / limit) * delay * 0.9 <= spent < (n_clusters / limit + 5) * delay
 
 
 def test_a_layer_with_concurrency_one_is_sequential() -> None:

@@ -15,6 +15,7 @@ from raptor_core import (
     InvalidInputError,
     InvalidParameterError,
     LLMGuidedRetriever,
+    Node,
     Tree,
     TreeRetriever,
     TreeTraversalRetriever,
@@ -216,3 +217,36 @@ def test_cli_llm_strategies_need_an_llm(tree_dir: str, capsys, strategy: str) ->
 def test_cli_strategy_errors(tree_dir: str, capsys, flags: list[str], message: str) -> None:
     assert main(["query", tree_dir, "cats", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def carried_tree() -> Tree:
+    """Two real summaries plus a top-layer copy of one of them (a single-member cluster)."""
+    base = tiny_tree()
+    copy_of = base.node("L1.1")
+    carried = Node(
+        id="L2.0",
+        text=copy_of.text,
+        layer=2,
+        token_count=copy_of.token_count,
+        children=("L1.1",),
+        doc_ids=copy_of.doc_ids,
+        metadata={"carried": True},
+    )
+    top = Node(id="L2.1", text="Cats and kittens.", layer=2, token_count=3, children=("L1.0",))
+    nodes = (*base.nodes, carried, top)
+    vectors = np.vstack([base.embeddings, base.embeddings[base.row("L1.1")], base.embeddings[4]])
+    return Tree(nodes=nodes, embeddings=vectors)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_carried_copies_are_never_returned(strategy: str) -> None:
+    tree = carried_tree()
+    assert tree.carried_mask.tolist() == [False] * 6 + [True, False]
+    llm = ScriptedLLM(default="not json")  # similarity fallback: picks the carried node too
+    retriever = make_retriever(
+        strategy, tree, FakeEmbedder(tree.dim), llm=llm, k=100, max_tokens=None
+    )
+    hits = retriever.retrieve("rockets launch satellites into orbit")
+    ids = [h.id for h in hits]
+    assert "L2.0" not in ids
+    assert "L1.1" in ids  # the original, reached through the copy by the top-down searches
