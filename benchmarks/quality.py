@@ -59,12 +59,23 @@ def _limit(value: int | None) -> int | None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sets", default=",".join(SETS), help="comma-separated sets")
-    parser.add_argument("--limit-docs", type=int, default=None, help="documents per set (0 = all; default per set)")
-    parser.add_argument("--limit-questions", type=int, default=None, help="questions per set (0 = all; default per set)")
+    parser.add_argument(
+        "--limit-docs", type=int, default=None, help="documents per set (0 = all; default per set)"
+    )
+    parser.add_argument(
+        "--limit-questions",
+        type=int,
+        default=None,
+        help="questions per set (0 = all; default per set)",
+    )
     parser.add_argument("--budgets", default="400,1000,2000")
-    parser.add_argument("--retrievers", default=None, help="comma-separated (default: all available)")
+    parser.add_argument(
+        "--retrievers", default=None, help="comma-separated (default: all available)"
+    )
     parser.add_argument("--tree-per", choices=["doc", "all"], default="doc")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS))
@@ -74,8 +85,7 @@ def main() -> int:
         print(f"quality benchmark: no data at {DATA}; nothing to do (see ../shared/data/README.md)")
         return 0
     from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
-    from raptor_core.evaluation import evaluate, load_documents, load_questions, select
-    from raptor_core.evaluation import report
+    from raptor_core.evaluation import evaluate, load_documents, load_questions, report, select
     from raptor_core.evaluation.runner import environment
 
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
@@ -97,8 +107,12 @@ def main() -> int:
         docs = load_documents(docs_path)
         questions = load_questions(questions_path, docs)
         limit_docs = n_docs if args.limit_docs is None else _limit(args.limit_docs)
-        limit_questions = n_questions if args.limit_questions is None else _limit(args.limit_questions)
-        docs, questions = select(docs, questions, limit_docs=limit_docs, limit_questions=limit_questions)
+        limit_questions = (
+            n_questions if args.limit_questions is None else _limit(args.limit_questions)
+        )
+        docs, questions = select(
+            docs, questions, limit_docs=limit_docs, limit_questions=limit_questions
+        )
         print(f"== {name}: {len(docs)} documents, {len(questions)} questions", flush=True)
         t0 = time.perf_counter()
         result = evaluate(
@@ -126,7 +140,8 @@ def main() -> int:
         "",
         f"- Hardware: {env['cpu']}, {env['cpus']} CPU cores available, no GPU; {env['platform']}.",
         f"- Embedding model (every retriever): all-MiniLM-L6-v2 (sentence-transformers "
-        f"{env['versions'].get('sentence-transformers', '?')}, torch {env['versions'].get('torch', '?')}).",
+        f"{env['versions'].get('sentence-transformers', '?')}, "
+        f"torch {env['versions'].get('torch', '?')}).",
         "- Summaries: the offline extractive summariser (no LLM). Budgets and chunk sizes in "
         "tiktoken cl100k_base tokens; leaves are ~100-token chunks (the paper's setting).",
         f"- Seed (`random_state` of UMAP/GMM): {args.seed}. One tree per document; each question "
@@ -134,7 +149,8 @@ def main() -> int:
         "- `dense`, `llamaindex-vector` and `langchain-inmemory` rank the RAPTOR tree's own leaves "
         "with the same model (they should agree: a sanity check); `*-default-chunking` use the "
         "framework's default splitter (LlamaIndex `SentenceSplitter()`: 1,024 tokens; LangChain "
-        "`RecursiveCharacterTextSplitter()`: 4,000 characters). Ranked lists are cut at the budget.",
+        "`RecursiveCharacterTextSplitter()`: 4,000 characters). Ranked lists are cut at the "
+        "budget.",
         "",
     ]
     if results:
@@ -164,7 +180,9 @@ def main() -> int:
             f"## {name}",
             "",
             f"{cfg['documents']} documents, {cfg['questions']} questions, {cfg['leaves']} leaves, "
-            f"{cfg['nodes']} tree nodes. " + "; ".join(f"{report.LABELS[m]}: {WHAT[m]}" for m in metrics) + ".",
+            f"{cfg['nodes']} tree nodes. "
+            + "; ".join(f"{report.LABELS[m]}: {WHAT[m]}" for m in metrics)
+            + ".",
             "",
             report.to_markdown(res, metrics=metrics),
             "",
@@ -181,7 +199,10 @@ def main() -> int:
         "environment": env,
         "seed": args.seed,
         "budgets": budgets,
-        "sets": {name: {k: v for k, v in res.to_dict().items() if k != "rows"} for name, res in results.items()},
+        "sets": {
+            name: {k: v for k, v in res.to_dict().items() if k != "rows"}
+            for name, res in results.items()
+        },
     }
     (out / "quality.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     print(f"wrote {out / 'quality.md'} and {out / 'quality.json'}")

@@ -148,10 +148,16 @@ class GMMClusterer:
         if n == 1:
             return [[0]]
         threadpoolctl = require("threadpoolctl")
+        # threadpoolctl only caps libraries already loaded, and scipy brings its own BLAS: load
+        # everything before entering the cap.
+        require("sklearn.mixture", package="scikit-learn")
+        if n > self.reduction_dim + 1:
+            _load_umap()
         # One BLAS/OpenMP thread: the matrices here are small (n x n distances, 10-dimensional
         # mixtures), so threads buy little, while their different summation orders would make
-        # the seeded result depend on the thread count, and their spin-waits make a busy
-        # machine several times slower.  UMAP itself runs single-threaded (n_jobs=1).
+        # the seeded result depend on the thread count, and their wake-ups and spin-waits make
+        # tiny solves many times slower on a busy machine (measured: a first call 4.4 s capped,
+        # 40 s uncapped on 2 loaded cores).  UMAP itself runs single-threaded (n_jobs=1).
         with threadpoolctl.threadpool_limits(limits=1):
             found = self._two_step(x)
         # Canonical order, independent of how the mixtures happened to number their components.
@@ -227,11 +233,7 @@ class GMMClusterer:
         self, x: NDArray[np.float32], n_neighbors: int, seed: int
     ) -> NDArray[np.float64] | None:
         """UMAP-reduce ``x``; None when UMAP cannot handle it (the caller then uses PCA)."""
-        with warnings.catch_warnings():
-            # umap-learn announces with an ImportWarning that ParametricUMAP needs TensorFlow.
-            warnings.simplefilter("ignore", ImportWarning)
-            umap = require("umap", package="umap-learn")
-        _enable_umap_jit_cache(umap)
+        umap = _load_umap()
         n = x.shape[0]
         precomputed: tuple[Any, ...] = (None, None, None)
         if n < _EXACT_KNN_MAX:
@@ -401,7 +403,17 @@ def _bic_gmm_soft(
     return [np.flatnonzero(member[:, j]) for j in range(member.shape[1]) if member[:, j].any()]
 
 
-def _enable_umap_jit_cache(umap: ModuleType) -> None:
+def _load_umap() -> ModuleType:
+    """Import umap-learn (seconds: it brings numba and pynndescent) and enable its JIT cache."""
+    with warnings.catch_warnings():
+        # umap-learn announces with an ImportWarning that ParametricUMAP needs TensorFlow.
+        warnings.simplefilter("ignore", ImportWarning)
+        umap = require("umap", package="umap-learn")
+    _enable_umap_jit_cache()
+    return umap
+
+
+def _enable_umap_jit_cache() -> None:
     """Turn on numba's on-disk cache for umap-learn's compiled kernels (once per process).
 
     umap-learn declares most of its numba functions without ``cache=True``, so each new process

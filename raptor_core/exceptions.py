@@ -12,8 +12,8 @@ The hierarchy::
         ├── SummarizationError                    the summariser failed or returned nothing usable
         └── LLMError                              a chat/completion model failed or returned garbage
             ├── LLMTimeoutError                   it did not answer in time, even after retries
-            ├── LLMAuthenticationError            credentials rejected or missing: retrying cannot help
-            └── LLMRequestError                   request rejected (unknown model, bad parameter)
+            └── LLMAuthenticationError            credentials or request rejected: retrying cannot help
+                └── LLMRequestError               the request itself: unknown model, bad parameter
 
 Dual inheritance keeps ``except ValueError`` / ``except ImportError`` working for
 callers that do not know about this package, as scikit-learn does with
@@ -79,8 +79,12 @@ class LLMTimeoutError(LLMError):
 
 
 class LLMAuthenticationError(LLMError):
-    """The service rejected the credentials (bad, missing or unauthorised key): retrying cannot help."""
+    """The service rejected the credentials or the request: retrying cannot help."""
 
 
-class LLMRequestError(LLMError):
-    """The service rejected the request itself (unknown model, bad parameter): retrying cannot help."""
+class LLMRequestError(LLMAuthenticationError):
+    """The service rejected the request itself (unknown model, bad parameter), not the key.
+
+    A subclass of :class:`LLMAuthenticationError` so that code which stops on "retrying cannot
+    help" (``except LLMAuthenticationError``) stops on it too.
+    """

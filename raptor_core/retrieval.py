@@ -202,29 +202,51 @@ class TreeRetriever(ABC):
         return normalize_query(vector, self.tree.dim)
 
     def retrieve(
-        self, query: str, *, k: int | None = None, max_tokens: int | None = None
+        self,
+        query: str,
+        *,
+        k: int | None = None,
+        max_tokens: int | None = None,
+        embedding: Sequence[float] | NDArray[np.float32] | None = None,
     ) -> list[Hit]:
         """Return up to ``k`` hits, best first, within ``max_tokens``.
+
+        Args:
+            query: the question (LLM-guided strategies read it; vector ones embed it).
+            k: maximum hits (default: the retriever's ``k``).
+            max_tokens: context budget (default: the retriever's ``max_tokens``).
+            embedding: a precomputed query vector from the tree's embedding model (a host
+                framework's cached query embedding, HyDE); the embedder is then not called.
 
         Raises:
             InvalidInputError: the query is empty or not a string.
             InvalidParameterError: a parameter is out of range.
+            EmbeddingError: ``embedding`` has the wrong dimension, NaN values or zero norm.
         """
         k, max_tokens = self._resolve(query, k, max_tokens)
         if len(self.tree) == 0:
             return []
-        hits = self._retrieve(query, self.embed_query(query), k=k, max_tokens=max_tokens)
+        vector = self.embed_query(query) if embedding is None else normalize_query(embedding, self.tree.dim)
+        hits = self._retrieve(query, vector, k=k, max_tokens=max_tokens)
         logger.debug("%s: %d hits for %r", type(self).__name__, len(hits), query[:80])
         return hits
 
     async def aretrieve(
-        self, query: str, *, k: int | None = None, max_tokens: int | None = None
+        self,
+        query: str,
+        *,
+        k: int | None = None,
+        max_tokens: int | None = None,
+        embedding: Sequence[float] | NDArray[np.float32] | None = None,
     ) -> list[Hit]:
         """Async :meth:`retrieve`; safe inside a running event loop."""
         k, max_tokens = self._resolve(query, k, max_tokens)
         if len(self.tree) == 0:
             return []
-        vector = await self.aembed_query(query)
+        if embedding is None:
+            vector = await self.aembed_query(query)
+        else:
+            vector = normalize_query(embedding, self.tree.dim)
         return await self._aretrieve(query, vector, k=k, max_tokens=max_tokens)
 
     @abstractmethod

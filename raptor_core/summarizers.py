@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,14 +27,25 @@ class ExtractiveSummarizer:
     ground between favouring short sentences (gain / tokens) and ignoring cost.  The chosen
     sentences are returned in their original order so the summary reads naturally.
 
+    Sentence vectors are memoised per instance: soft clustering puts a sentence in several
+    clusters, and the summaries of layer ``l`` are made of sentences already embedded for
+    layer ``l - 1``, so each distinct sentence is embedded once per build.
+
     Args:
         embedder: embeds sentences (the tree's embedder by default, set by TreeBuilder).
         tokenizer: counts tokens (``default_tokenizer()`` when None).
+        memo_size: most sentence vectors remembered (0 disables the memo).
     """
 
-    def __init__(self, embedder: Embedder | None = None, *, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self, embedder: Embedder | None = None, *, tokenizer: Tokenizer | None = None, memo_size: int = 200_000
+    ) -> None:
         self.embedder = embedder
         self.tokenizer = tokenizer
+        self.memo_size = memo_size
+        self._memo: dict[str, NDArray[np.float32]] = {}
+        self._memo_owner: object = None
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"ExtractiveSummarizer(embedder={self.embedder!r})"
@@ -47,6 +59,25 @@ class ExtractiveSummarizer:
 
             self.tokenizer = default_tokenizer()
         return self.embedder, self.tokenizer
+
+    def _sentence_vectors(self, embedder: Embedder, sentences: list[str]) -> NDArray[np.float32]:
+        """Unit vectors of ``sentences`` (distinct strings), embedding only the ones not memoised."""
+        with self._lock:
+            if self._memo_owner is not embedder:  # another model: old vectors are meaningless
+                self._memo.clear()
+                self._memo_owner = embedder
+            missing = list(dict.fromkeys(s for s in sentences if s not in self._memo))
+        fresh = _unit_rows(embedder.embed_documents(missing), len(missing)) if missing else None
+        with self._lock:
+            if fresh is not None:
+                if len(self._memo) + len(missing) > self.memo_size:
+                    self._memo.clear()
+                if self.memo_size > 0:
+                    self._memo.update(zip(missing, fresh, strict=True))
+            known = {s: self._memo[s] for s in sentences if s in self._memo}
+        if fresh is not None:
+            known.update(zip(missing, fresh, strict=True))
+        return np.stack([known[s] for s in sentences])
 
     def summarize(self, texts: Sequence[str], *, max_tokens: int) -> str:
         """Summarise one cluster."""
@@ -75,12 +106,7 @@ class ExtractiveSummarizer:
         flat = [s for sentences in per_cluster for s in sentences]
         if not flat:
             return ["" for _ in clusters]
-        vectors = np.asarray(embedder.embed_documents(flat), dtype=np.float32)
-        if vectors.shape[0] != len(flat) or not np.all(np.isfinite(vectors)):
-            msg = "the embedder returned the wrong number of vectors or NaN values for summary sentences"
-            raise EmbeddingError(msg)
-        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-        vectors = vectors / np.where(norms == 0.0, 1.0, norms)
+        vectors = self._sentence_vectors(embedder, flat)
 
         out: list[str] = []
         offset = 0
@@ -98,6 +124,15 @@ class ExtractiveSummarizer:
                 continue
             out.append(_join_sentences([sentences[i] for i in sorted(chosen)]))
         return out
+
+
+def _unit_rows(vectors: object, expected: int) -> NDArray[np.float32]:
+    arr = np.asarray(vectors, dtype=np.float32)
+    if arr.ndim != 2 or arr.shape[0] != expected or not np.all(np.isfinite(arr)):
+        msg = "the embedder returned the wrong number of vectors or NaN values for summary sentences"
+        raise EmbeddingError(msg)
+    norms = np.linalg.norm(arr, axis=1, keepdims=True)
+    return arr / np.where(norms == 0.0, 1.0, norms)
 
 
 def _join_sentences(sentences: list[str]) -> str:

@@ -95,7 +95,8 @@ def recursive_character_split(
         >>> recursive_character_split("aa bb cc dd", chunk_size=8, chunk_overlap=3)
         ['aa bb cc', 'cc dd']
     """
-    separator, rest = separators[-1], ()
+    separator = separators[-1]
+    rest: tuple[str, ...] = ()
     for i, candidate in enumerate(separators):
         if candidate == "":
             separator = ""
@@ -183,6 +184,6 @@ class InMemoryBaseline:
 
 
 class InMemoryDefaultChunkingBaseline(InMemoryBaseline):
-    """``InMemoryVectorStore(...).as_retriever()`` over ``RecursiveCharacterTextSplitter()`` chunks."""
+    """``InMemoryVectorStore(...).as_retriever()`` over the default splitter's chunks."""
 
     chunking = "default"

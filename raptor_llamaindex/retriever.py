@@ -330,17 +330,37 @@ class RaptorRetriever(BaseRetriever):
             self._core = self._make_core()
 
     # -- retrieval -----------------------------------------------------------------------------
+    def _query_embedding(self, query_bundle: QueryBundle) -> list[float] | None:
+        """The bundle's precomputed embedding, or the mean of its custom embedding strings.
+
+        Mirrors ``VectorIndexRetriever``: a bundle that carries an embedding (a cached one, or
+        HyDE's ``custom_embedding_strs``) is searched with it instead of the query string.
+        """
+        if query_bundle.embedding is not None:
+            return list(query_bundle.embedding)
+        strs = query_bundle.custom_embedding_strs
+        if strs and list(strs) != [query_bundle.query_str]:
+            vectors = [self._core.embedder.embed_query(s) for s in strs]
+            return [float(x) for x in sum(vectors) / len(vectors)]
+        return None
+
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         self._sync_tree()
         hits = self._core.retrieve(
-            query_bundle.query_str, k=self.similarity_top_k, max_tokens=self.max_tokens
+            query_bundle.query_str,
+            k=self.similarity_top_k,
+            max_tokens=self.max_tokens,
+            embedding=self._query_embedding(query_bundle),
         )
         return self._to_nodes(hits)
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         self._sync_tree()
         hits = await self._core.aretrieve(
-            query_bundle.query_str, k=self.similarity_top_k, max_tokens=self.max_tokens
+            query_bundle.query_str,
+            k=self.similarity_top_k,
+            max_tokens=self.max_tokens,
+            embedding=self._query_embedding(query_bundle),
         )
         return self._to_nodes(hits)
 

@@ -61,7 +61,20 @@ __all__ = [
 LOCALHOST = [pytest.mark.enable_socket] if importlib.util.find_spec("pytest_socket") else []
 
 #: Fault kinds the server can inject.
-FAULTS = ("429", "500", "slow", "drop", "empty", "truncated", "quota", "400", "401", "403", "404")
+FAULTS = (
+    "429",
+    "500",
+    "slow",
+    "drop",
+    "empty",
+    "truncated",
+    "quota",
+    "400",
+    "401",
+    "403",
+    "404",
+    "501",
+)
 
 #: ``plan(endpoint, key, attempt) -> fault or None``; ``attempt`` counts earlier requests with
 #: the same body (0 for the first), ``endpoint`` is ``"chat"`` or ``"embeddings"``.
@@ -390,7 +403,7 @@ class FakeOpenAIServer:
                 handler, 429, self._error(429, message, "insufficient_quota", "insufficient_quota")
             )
             return
-        if fault in {"500", "400", "401", "403", "404"}:
+        if fault in {"500", "501", "400", "401", "403", "404"}:
             record.status = int(fault)
             self._send(
                 handler,

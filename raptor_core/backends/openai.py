@@ -69,6 +69,7 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 _MAX_RETRY_AFTER = 300.0
 _RETRYABLE_STATUS = frozenset({408, 409, 429})
 _TRUNCATION_MODES = ("retry", "keep", "error")
+_TRUNCATION_RETRIES = 1
 
 T = TypeVar("T")
 
@@ -326,7 +327,8 @@ class _OpenAIService:
                 raise LLMAuthenticationError(msg) from None
             if status in {401, 403}:
                 raise self._auth_error(status) from None
-            if status not in _RETRYABLE_STATUS and status < 500:
+            if (status not in _RETRYABLE_STATUS and status < 500) or status == 501:
+                # 501: the server lacks the endpoint (llama.cpp without --embeddings).
                 raise self._request_error(status, detail) from None
             reason = f"HTTP {status}" + (f" ({detail})" if detail else "")
             if retry_after is not None and retry_after > _MAX_RETRY_AFTER:
@@ -474,8 +476,9 @@ class OpenAIChatLLM(_OpenAIService):
             the server (needed by reasoning models that reject the parameter).
         max_tokens_param: request field that carries ``max_tokens``; newer OpenAI models
             want ``"max_completion_tokens"``.
-        on_truncated: a completion cut at ``max_tokens`` is retried then kept with a warning
-            (``"retry"``), kept at once (``"keep"``), or retried then raised (``"error"``).
+        on_truncated: a completion cut at ``max_tokens`` is retried once, then kept with a
+            warning and counted in ``usage`` (``"retry"``); kept at once (``"keep"``); or
+            retried once, then raised as :class:`LLMError` (``"error"``).
         timeout: seconds to wait for one answer.
         max_retries: retries after a 429, a 5xx, a timeout, a dropped connection or an
             empty answer; 401/403/400/404 are never retried.
@@ -564,7 +567,7 @@ class OpenAIChatLLM(_OpenAIService):
             request[self.max_tokens_param] = max_tokens
         return request
 
-    def _answer(self, response: Any, *, last: Callable[[], bool]) -> str:
+    def _answer(self, response: Any, attempts: _AttemptCounter) -> str:
         usage = getattr(response, "usage", None)
         self.usage.add(
             prompt_tokens=getattr(usage, "prompt_tokens", 0) or 0,
@@ -579,16 +582,19 @@ class OpenAIChatLLM(_OpenAIService):
                 "check that the model is a chat model and that the prompt fits its context",
             )
         truncated = choices[0].finish_reason == "length"
-        if (
-            truncated
-            and self.on_truncated != "keep"
-            and (not last() or self.on_truncated == "error")
-        ):
-            # At temperature > 0 another try may fit; on the last one "retry" keeps the text.
-            raise _EmptyAnswer(
-                "a completion cut at max_tokens (finish_reason='length')",
-                "raise the summary length (summary_max_tokens) or pass on_truncated='keep'",
-            )
+        if truncated and self.on_truncated != "keep":
+            # One more try (a sampled answer may fit, a glitch may pass); more would mostly pay
+            # for the same cut text again at temperature 0.
+            if attempts.truncated < _TRUNCATION_RETRIES and not attempts.last():
+                attempts.truncated += 1
+                raise _EmptyAnswer("a completion cut at max_tokens", "")
+            if self.on_truncated == "error":
+                msg = (
+                    f"{self._where()} cut the completion at max_tokens (finish_reason='length') "
+                    f"{attempts.truncated + 1} times: raise the summary length "
+                    "(summary_max_tokens) or pass on_truncated='keep'"
+                )
+                raise LLMError(msg)
         if truncated:
             self.usage.add(truncated=1)
             logger.warning("%s: keeping a completion cut at max_tokens", self._where())
@@ -610,7 +616,7 @@ class OpenAIChatLLM(_OpenAIService):
 
         def attempt() -> str:
             attempts.next()
-            return self._answer(client.chat.completions.create(**request), last=attempts.last)
+            return self._answer(client.chat.completions.create(**request), attempts)
 
         return self._call(attempt)
 
@@ -622,17 +628,18 @@ class OpenAIChatLLM(_OpenAIService):
 
         async def attempt() -> str:
             attempts.next()
-            return self._answer(await client.chat.completions.create(**request), last=attempts.last)
+            return self._answer(await client.chat.completions.create(**request), attempts)
 
         return await self._acall(attempt)
 
 
 class _AttemptCounter:
-    """Which attempt of a retried call is running (the last one keeps a truncated answer)."""
+    """Attempts of one retried call, and how many of them came back truncated."""
 
     def __init__(self, max_retries: int) -> None:
         self.max_retries = max_retries
         self.attempt = -1
+        self.truncated = 0
 
     def next(self) -> None:
         self.attempt += 1
@@ -654,7 +661,8 @@ class OpenAISummarizer(LLMSummarizer):
         model: chat model name.
         prompt: template with ``{context}``; the paper's prompt by default.
         separator: joins a cluster's texts into the context.
-        **others**: as :class:`OpenAIChatLLM`.
+        base_url, api_key, system_prompt, temperature, max_tokens_param, on_truncated,
+            timeout, max_retries, backoff, max_backoff: as :class:`OpenAIChatLLM`.
 
     Examples:
         >>> from raptor_core import TreeBuilder

@@ -49,22 +49,58 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         "or module:Factory for your own",
     )
     p.add_argument("--list-retrievers", action="store_true", help="list retriever names and exit")
-    p.add_argument("--budgets", type=_int_list, default=[400, 1000, 2000], help="token budgets (400,1000,2000)")
-    p.add_argument("--tree-per", choices=["doc", "all"], default="doc", help="one tree per document (default) or one over all")
-    p.add_argument("--limit-docs", type=int, default=None, help="use the first N documents that have questions")
-    p.add_argument("--limit-questions", type=int, default=None, help="use N questions, round-robin over documents")
-    p.add_argument("--out", default="raptor-eval", help="output directory (default ./raptor-eval); trees are cached in OUT/trees")
-    p.add_argument("--seed", type=int, default=0, help="random_state of the tree builds (default 0)")
-    p.add_argument("--embed-model", default=None, help="sentence-transformers model (default: packaged all-MiniLM-L6-v2)")
-    p.add_argument("--chunk-tokens", type=int, default=100, help="leaf chunk size (default 100, the paper's)")
-    p.add_argument("--no-cache", action="store_true", help="rebuild trees even when OUT/trees has them")
+    p.add_argument(
+        "--budgets", type=_int_list, default=[400, 1000, 2000], help="token budgets (400,1000,2000)"
+    )
+    p.add_argument(
+        "--tree-per",
+        choices=["doc", "all"],
+        default="doc",
+        help="one tree per document (default) or one over all",
+    )
+    p.add_argument(
+        "--limit-docs", type=int, default=None, help="use the first N documents that have questions"
+    )
+    p.add_argument(
+        "--limit-questions",
+        type=int,
+        default=None,
+        help="use N questions, round-robin over documents",
+    )
+    p.add_argument(
+        "--out",
+        default="raptor-eval",
+        help="output directory (default ./raptor-eval); trees are cached in OUT/trees",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="random_state of the tree builds (default 0)"
+    )
+    p.add_argument(
+        "--embed-model",
+        default=None,
+        help="sentence-transformers model (default: packaged all-MiniLM-L6-v2)",
+    )
+    p.add_argument(
+        "--chunk-tokens", type=int, default=100, help="leaf chunk size (default 100, the paper's)"
+    )
+    p.add_argument(
+        "--no-cache", action="store_true", help="rebuild trees even when OUT/trees has them"
+    )
     p.add_argument("--no-plot", action="store_true", help="do not write recall.png")
     llm = p.add_argument_group("LLM (enables the llm and hybrid strategies)")
-    llm.add_argument("--llm", choices=["none", "openai"], default="none", help="an OpenAI-compatible chat model")
+    llm.add_argument(
+        "--llm", choices=["none", "openai"], default="none", help="an OpenAI-compatible chat model"
+    )
     llm.add_argument("--llm-model", default="gpt-4o-mini", help="chat model for --llm openai")
-    llm.add_argument("--llm-base-url", default=None, help="OpenAI-compatible API root ($OPENAI_BASE_URL)")
-    llm.add_argument("--llm-summaries", action="store_true", help="also summarise the trees with the LLM")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    llm.add_argument(
+        "--llm-base-url", default=None, help="OpenAI-compatible API root ($OPENAI_BASE_URL)"
+    )
+    llm.add_argument(
+        "--llm-summaries", action="store_true", help="also summarise the trees with the LLM"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the summary as JSON instead of a table"
+    )
     p.add_argument("--quiet", "-q", action="store_true", help="print nothing but errors")
     p.set_defaults(func=_cmd_eval)
     return p
@@ -112,7 +148,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     docs = load_documents(args.docs)
     questions = load_questions(args.questions, docs)
-    docs, questions = select(docs, questions, limit_docs=args.limit_docs, limit_questions=args.limit_questions)
+    docs, questions = select(
+        docs, questions, limit_docs=args.limit_docs, limit_questions=args.limit_questions
+    )
     embedder = None
     if args.embed_model:
         from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
@@ -126,7 +164,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         from raptor_core.summarizers import LLMSummarizer
 
         summarizer = LLMSummarizer(llm)
-    names = None if args.retrievers is None else [n for n in args.retrievers.split(",") if n.strip()]
+    names = (
+        None if args.retrievers is None else [n for n in args.retrievers.split(",") if n.strip()]
+    )
     out = Path(args.out)
     show = sys.stderr.isatty() and not args.quiet
     bars, update = _progress(show)

@@ -114,7 +114,8 @@ def load_documents(path: str | os.PathLike[str]) -> list[Document]:
         meta = {
             k: v
             for k, v in record.items()
-            if k not in {"doc_id", "text"} and (v is None or isinstance(v, str | int | float | bool))
+            if k not in {"doc_id", "text"}
+            and (v is None or isinstance(v, str | int | float | bool))
         }
         docs.append(Document(text=text, doc_id=doc_id, metadata=meta))
     if not docs:
@@ -127,7 +128,10 @@ def _question(where: str, record: Mapping[str, Any], index: int) -> Question:
     doc_id = _string(where, record, "doc_id")
     sections = record.get("evidence_sections") or []
     if not isinstance(sections, list) or not all(_int(s) and s >= 1 for s in sections):
-        msg = f"{where}: 'evidence_sections' must be a list of section numbers >= 1, got {sections!r:.60}"
+        msg = (
+            f"{where}: 'evidence_sections' must be a list of section numbers >= 1, "
+            f"got {sections!r:.60}"
+        )
         raise InvalidInputError(msg)
     spans = record.get("evidence_turn_spans") or []
     ok = isinstance(spans, list) and all(
@@ -175,7 +179,7 @@ def load_questions(
             questions[question.question_id] = question
             continue
         if (first.doc_id, first.question) != (question.doc_id, question.question):
-            msg = f"{where}: question_id {question.question_id!r} was already used for another question"
+            msg = f"{where}: question_id {question.question_id!r} is already another question's"
             raise InvalidInputError(msg)
         # Another annotation of the same question (QASPER lists some two or three times):
         # any annotator's answer counts, and all the gold evidence is kept.
@@ -206,8 +210,10 @@ def check_questions(questions: Iterable[Question], documents: Sequence[Document]
     for q in questions:
         doc = by_id.get(q.doc_id)
         if doc is None:
-            known = ", ".join(sorted(by_id)[:5])
-            msg = f"question {q.question_id!r} is about unknown doc_id {q.doc_id!r} (known: {known}, ...)"
+            known = ", ".join(sorted(by_id)[:5]) + (", ..." if len(by_id) > 5 else "")
+            msg = (
+                f"question {q.question_id!r} is about unknown doc_id {q.doc_id!r} (known: {known})"
+            )
             raise InvalidInputError(msg)
         if not (q.evidence_sections or q.evidence_turn_spans):
             continue

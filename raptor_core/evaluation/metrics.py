@@ -66,10 +66,10 @@ def tokens(text: str) -> list[str]:
 
 
 def normalize(text: str) -> str:
-    """Normalised text: the :func:`tokens` joined with single spaces.
+    r"""Normalised text: the :func:`tokens` joined with single spaces.
 
     Examples:
-        >>> normalize("  Hello,\\nWORLD -- again. ")
+        >>> normalize("  Hello,\nWORLD -- again. ")
         'hello world again'
     """
     return " ".join(tokens(text))

@@ -55,7 +55,10 @@ def format_table(result: EvalResult) -> str:
     header, rows = _table_rows(result)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
         for r in [header, *rows]
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -90,7 +93,10 @@ def print_table(result: EvalResult, *, file: IO[str] | None = None, rich: bool =
             # Off a terminal rich assumes 80 columns; a table cut to fit would hide names.
             width = sum(max(len(r[i]) for r in [header, *rows]) + 3 for i in range(len(header)))
             console = Console(file=file, width=max(width + 2, 80))
-            table = Table(title=f"{result.config.get('questions')} questions, tree per {result.config.get('tree_per')}")
+            table = Table(
+                title=f"{result.config.get('questions')} questions, "
+                f"tree per {result.config.get('tree_per')}"
+            )
             for i, name in enumerate(header):
                 table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
             last = None
@@ -111,7 +117,9 @@ def write_json(result: EvalResult, path: str | os.PathLike[str]) -> Path:
     """Write :meth:`EvalResult.to_dict` to ``path`` (parents created) and return the path."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(result.to_dict(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    target.write_text(
+        json.dumps(result.to_dict(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
     return target
 
 

@@ -200,6 +200,7 @@ class RaptorStrategy:
         return f"RaptorStrategy({self.strategy!r}, **{self.params!r})"
 
     def __call__(self, corpus: EvalCorpus) -> ContextRetriever:
+        """Build the strategy's retriever over ``corpus.tree``."""
         return _HitsRetriever(self.strategy, corpus, self.params)
 
 
@@ -277,7 +278,7 @@ def _load_dotted(path: str) -> RetrieverFactory:
     if not callable(target):
         msg = f"retriever factory {path!r} is not callable"
         raise InvalidParameterError(msg)
-    return target  # type: ignore[no-any-return]
+    return target
 
 
 def resolve_retrievers(
@@ -371,7 +372,9 @@ def _component_key(component: object) -> Any:
             names = []
         params = {n: getattr(component, n) for n in names if hasattr(component, n)}
     scalars = {
-        k: v for k, v in sorted(params.items()) if v is None or isinstance(v, str | int | float | bool)
+        k: v
+        for k, v in sorted(params.items())
+        if v is None or isinstance(v, str | int | float | bool)
     }
     return [f"{cls.__module__}.{cls.__qualname__}", scalars]
 
@@ -385,7 +388,9 @@ def _build_key(documents: Sequence[Document], builder: Any) -> str:
         "tokenizer": _component_key(builder.tokenizer),
         "chunker": _component_key(builder.chunker),
         "clusterer": _component_key(builder.clusterer),
-        "documents": [[d.doc_id, hashlib.sha256(d.text.encode("utf-8")).hexdigest()] for d in documents],
+        "documents": [
+            [d.doc_id, hashlib.sha256(d.text.encode("utf-8")).hexdigest()] for d in documents
+        ],
     }
     blob = json.dumps(payload, sort_keys=True, default=str).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()
@@ -487,7 +492,9 @@ class EvalResult:
         }
 
 
-def _summarize(rows: Sequence[Mapping[str, Any]], names: Sequence[str], budgets: Sequence[int]) -> list[dict[str, Any]]:
+def _summarize(
+    rows: Sequence[Mapping[str, Any]], names: Sequence[str], budgets: Sequence[int]
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for name in names:
         for budget in budgets:
@@ -635,7 +642,9 @@ def evaluate(
     groups = [(d.doc_id, [d]) for d in docs] if tree_per == "doc" else [("all", docs)]
     cache = None if cache_dir is None else Path(cache_dir)
     texts = {d.doc_id: d.text for d in docs}
-    query_embedder: Embedder = QueryCachingEmbedder(embedder) if cache_query_embeddings else embedder
+    query_embedder: Embedder = (
+        QueryCachingEmbedder(embedder) if cache_query_embeddings else embedder
+    )
 
     builds: dict[str, float] = {"raptor tree": 0.0, **{s.name: 0.0 for s in specs}}
     tree_stats = {"trees": 0, "cached": 0, "nodes": 0, "leaves": 0}

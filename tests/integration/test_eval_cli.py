@@ -15,7 +15,14 @@ import pytest
 pytestmark = pytest.mark.integration
 
 CROPS = ["barley", "saffron", "apricots", "lentils", "olives", "hops", "tea", "cotton"]
-GOODS = ["copper pots", "wool blankets", "glass beads", "salted fish", "cedar planks", "silk thread"]
+GOODS = [
+    "copper pots",
+    "wool blankets",
+    "glass beads",
+    "salted fish",
+    "cedar planks",
+    "silk thread",
+]
 RIVERS = ["Amber", "Silver", "Crooked", "Quiet", "Swift", "Black"]
 DAYS = ["Monday", "Tuesday", "Thursday", "Saturday"]
 ANIMALS = ["goats", "donkeys", "geese", "camels", "yaks", "pigs"]
@@ -45,7 +52,16 @@ def _dataset(tmp_path: Path) -> tuple[Path, Path, dict[str, list[str]]]:
     rng = random.Random(7)
     names = [
         ["Oskarsby", "Pellwick", "Tarnholm", "Quenlow", "Brisca", "Ulmerod", "Vantoria", "Kesh"],
-        ["Drummel", "Ferovia", "Gallantry", "Hoskeld", "Istravo", "Jorundel", "Lammerskirk", "Mirevale"],
+        [
+            "Drummel",
+            "Ferovia",
+            "Gallantry",
+            "Hoskeld",
+            "Istravo",
+            "Jorundel",
+            "Lammerskirk",
+            "Mirevale",
+        ],
     ]
     docs, questions, gold = [], [], {}
     for d, village_names in enumerate(names):
@@ -66,7 +82,9 @@ def _dataset(tmp_path: Path) -> tuple[Path, Path, dict[str, list[str]]]:
                     }
                 )
                 gold[question] = [text, sentence]
-        docs.append({"doc_id": f"valley-{d}", "title": f"Valley {d}", "text": "\n\n".join(paragraphs)})
+        docs.append(
+            {"doc_id": f"valley-{d}", "title": f"Valley {d}", "text": "\n\n".join(paragraphs)}
+        )
     docs_path = tmp_path / "docs.jsonl"
     questions_path = tmp_path / "questions.jsonl"
     docs_path.write_text("\n".join(json.dumps(x) for x in docs) + "\n", encoding="utf-8")
@@ -148,4 +166,6 @@ def test_eval_cli_end_to_end(tmp_path: Path) -> None:
     for name in ("collapsed", "dense", "bm25", "llamaindex-vector"):
         assert score[name, 400]["evidence_recall"] > score["unrelated", 400]["evidence_recall"]
     # Same chunks, same model: LlamaIndex's default retriever ranks like the dense baseline.
-    assert score["llamaindex-vector", 400]["evidence_recall"] == score["dense", 400]["evidence_recall"]
+    assert (
+        score["llamaindex-vector", 400]["evidence_recall"] == score["dense", 400]["evidence_recall"]
+    )

@@ -187,7 +187,9 @@ def test_similarity_top_k_larger_than_the_tree(index: RaptorIndex) -> None:
     nodes = index.as_retriever(similarity_top_k=10_000, max_tokens=None).retrieve("bread")
     # Every node once; summaries that only carry a single child up are not repeated.
     original = [
-        n.id for n, carried in zip(index.tree.nodes, index.tree.carried_mask) if not carried
+        n.id
+        for n, carried in zip(index.tree.nodes, index.tree.carried_mask, strict=True)
+        if not carried
     ]
     assert sorted(n.node.node_id for n in nodes) == sorted(original)
 

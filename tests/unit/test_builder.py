@@ -325,3 +325,17 @@ def test_layer_with_fewer_than_two_real_groups_is_not_built() -> None:
     tree = builder.build(texts)
     assert tree.num_layers == 1
     assert "no longer groups" in tree.build_info["stop_reason"]
+
+
+def test_extractive_memo_embeds_each_sentence_once() -> None:
+    embedder = FakeEmbedder(32)
+    summarizer = ExtractiveSummarizer(embedder, tokenizer=WhitespaceTokenizer())
+    shared = "Cats purr softly."
+    first = summarizer.summarize_batch([[shared, "Dogs bark."], [shared, "Birds sing."]], max_tokens=20)
+    assert embedder.texts_embedded == 3  # the shared sentence once
+    again = summarizer.summarize_batch([[shared, "Dogs bark."], [shared, "Birds sing."]], max_tokens=20)
+    assert again == first and embedder.texts_embedded == 3
+    other = FakeEmbedder(32)
+    summarizer.embedder = other  # a different model must not reuse the old vectors
+    summarizer.summarize([shared], max_tokens=5)
+    assert other.texts_embedded == 1

@@ -24,12 +24,12 @@ from raptor_core.evaluation import (
     load_documents,
     load_questions,
     normalize,
+    report,
     resolve_retrievers,
     select,
     span_precision,
     span_recall,
 )
-from raptor_core.evaluation import report
 from raptor_core.evaluation.metrics import section_texts, tokens, turn_texts
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, MissingDependencyError
 from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer
@@ -212,8 +212,20 @@ def test_load_documents_and_questions(tmp_path: Path) -> None:
     )
     assert [d.doc_id for d in docs] == ["s"] and docs[0].metadata == {"title": "T"}
     records = [
-        {"doc_id": "s", "question_id": "q1", "question": "who?", "answers": ["a"], "evidence": ["e"]},
-        {"doc_id": "s", "question_id": "q1", "question": "who?", "answers": ["b"], "evidence": ["e"]},
+        {
+            "doc_id": "s",
+            "question_id": "q1",
+            "question": "who?",
+            "answers": ["a"],
+            "evidence": ["e"],
+        },
+        {
+            "doc_id": "s",
+            "question_id": "q1",
+            "question": "who?",
+            "answers": ["b"],
+            "evidence": ["e"],
+        },
         {"doc_id": "s", "question": "what?", "evidence_sections": [2]},
     ]
     questions = load_questions(_write_jsonl(tmp_path / "q.jsonl", records), docs)
@@ -233,7 +245,9 @@ def test_load_documents_and_questions(tmp_path: Path) -> None:
         ({"doc_id": "zzz", "question": "q"}, "unknown doc_id 'zzz'"),
     ],
 )
-def test_invalid_questions_are_rejected_clearly(tmp_path: Path, record: dict[str, object], match: str) -> None:
+def test_invalid_questions_are_rejected_clearly(
+    tmp_path: Path, record: dict[str, object], match: str
+) -> None:
     docs = [Document(text=MEETING if "turn" in str(record) else STORY, doc_id="s")]
     with pytest.raises(InvalidInputError, match=match):
         load_questions(_write_jsonl(tmp_path / "q.jsonl", [record]), docs)
@@ -244,10 +258,14 @@ def test_invalid_files_are_rejected_clearly(tmp_path: Path) -> None:
         load_documents(tmp_path / "missing.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"doc_id": "a", "text": "x"}\nnot json\n', encoding="utf-8")
-    with pytest.raises(InvalidInputError, match="bad.jsonl:2 is not valid JSON"):
+    with pytest.raises(InvalidInputError, match=r"bad\.jsonl:2 is not valid JSON"):
         load_documents(bad)
     with pytest.raises(InvalidInputError, match="different text"):
-        load_documents(_write_jsonl(tmp_path / "d.jsonl", [{"doc_id": "a", "text": "x"}, {"doc_id": "a", "text": "y"}]))
+        load_documents(
+            _write_jsonl(
+                tmp_path / "d.jsonl", [{"doc_id": "a", "text": "x"}, {"doc_id": "a", "text": "y"}]
+            )
+        )
     with pytest.raises(InvalidInputError, match="'text' must be a non-empty string"):
         load_documents(_write_jsonl(tmp_path / "e.jsonl", [{"doc_id": "a"}]))
 
@@ -322,14 +340,25 @@ class PairClusterer:
         return [list(range(i, min(i + 2, n))) for i in range(0, n, 2)]
 
 
-def run(tmp_path: Path | None = None, **kwargs: object):  # noqa: ANN201
+def run(tmp_path: Path | None = None, **kwargs: object):
     params: dict[str, object] = {
-        "retrievers": ["collapsed", "traversal", "value", "dense", RetrieverSpec("oracle", Oracle), RetrieverSpec("nothing", Nothing)],
+        "retrievers": [
+            "collapsed",
+            "traversal",
+            "value",
+            "dense",
+            RetrieverSpec("oracle", Oracle),
+            RetrieverSpec("nothing", Nothing),
+        ],
         "budgets": (6, 20, 60),
         "embedder": FakeEmbedder(32),
         "summarizer": EchoSummarizer(),
         "tokenizer": WhitespaceTokenizer(),
-        "builder_params": {"chunk_max_tokens": 12, "summary_max_tokens": 10, "clusterer": PairClusterer()},
+        "builder_params": {
+            "chunk_max_tokens": 12,
+            "summary_max_tokens": 10,
+            "clusterer": PairClusterer(),
+        },
         "cache_dir": None if tmp_path is None else tmp_path / "trees",
     }
     params.update(kwargs)
@@ -354,7 +383,14 @@ def test_evaluate_scores_oracle_one_and_empty_zero() -> None:
 
 def test_every_retriever_stays_within_the_budget() -> None:
     result = run()
-    assert {r["retriever"] for r in result.rows} == {"collapsed", "traversal", "value", "dense", "oracle", "nothing"}
+    assert {r["retriever"] for r in result.rows} == {
+        "collapsed",
+        "traversal",
+        "value",
+        "dense",
+        "oracle",
+        "nothing",
+    }
     assert len(result.rows) == 6 * 3 * len(QUESTIONS)
     for row in result.rows:
         assert 0 <= row["context_tokens"] <= row["budget"]
@@ -362,7 +398,11 @@ def test_every_retriever_stays_within_the_budget() -> None:
         for metric in ("evidence_recall", "answer_recall"):
             assert row[metric] is None or 0.0 <= row[metric] <= 1.0
     # Flat ranked lists fill the budget exactly (the crossing chunk is cut).
-    assert all(r["context_tokens"] == r["budget"] for r in result.rows if r["retriever"] == "dense" and r["budget"] < 60)
+    assert all(
+        r["context_tokens"] == r["budget"]
+        for r in result.rows
+        if r["retriever"] == "dense" and r["budget"] < 60
+    )
 
 
 def test_llm_strategies_are_skipped_without_an_llm() -> None:
@@ -437,9 +477,32 @@ def test_reports(tmp_path: Path) -> None:
 
 def test_evaluation_keeps_the_frameworks_out() -> None:
     code = (
-        "import sys, raptor_core.evaluation, raptor_core.evaluation.cli, raptor_core.evaluation.report;"
-        "bad = [m for m in ('llama_index', 'langchain_core', 'torch', 'matplotlib', 'bm25s') if m in sys.modules];"
-        "print(bad); sys.exit(1 if bad else 0)"
+        "import sys\n"
+        "import raptor_core.evaluation, raptor_core.evaluation.cli, raptor_core.evaluation.report\n"
+        "heavy = ('llama_index', 'langchain_core', 'torch', 'matplotlib', 'bm25s')\n"
+        "bad = [m for m in heavy if m in sys.modules]\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+class CountingEmbedder(FakeEmbedder):
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__(dim)
+        self.queries: list[str] = []
+
+    def embed_query(self, text: str) -> np.ndarray:
+        self.queries.append(text)
+        return super().embed_query(text)
+
+
+def test_each_question_is_embedded_once_for_all_retrievers() -> None:
+    embedder = CountingEmbedder()
+    result = run(embedder=embedder, retrievers=["collapsed", "traversal", "value", "dense"])
+    assert sorted(embedder.queries) == sorted(q.question for q in QUESTIONS)
+    assert all(row["embed_ms"] is not None for row in result.rows)
+    embedder = CountingEmbedder()
+    run(embedder=embedder, retrievers=["collapsed", "dense"], cache_query_embeddings=False)
+    assert len(embedder.queries) == 2 * 3 * len(QUESTIONS)  # retrievers x budgets x questions

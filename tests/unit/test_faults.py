@@ -133,17 +133,17 @@ def test_empty_completions_are_retried_then_reported() -> None:
 def test_truncated_completions() -> None:
     with FakeOpenAIServer(faults=faults_in_order("truncated")) as srv:
         assert _llm(srv).complete("a prompt with words") == fake_completion("a prompt with words")
-        assert [r.fault for r in srv.requests()][:2] == ["truncated", None]  # retried once
+        assert [r.fault for r in srv.requests()] == ["truncated", None]  # retried once
     with FakeOpenAIServer(faults=lambda *_: "truncated") as srv:
-        llm = _llm(srv, max_retries=1)
-        answer = llm.complete("a prompt with many words in it")  # "retry": kept at the end
+        llm = _llm(srv)
+        answer = llm.complete("a prompt with many words in it")  # "retry": kept after one retry
         assert answer and llm.usage.snapshot()["truncated"] == 1
-        assert len(srv.requests()) == 2
-        keep = _llm(srv, on_truncated="keep")
-        keep.complete("kept at once")
+        assert len(srv.requests()) == 2  # not max_retries + 1: the same cut text is not bought 7x
+        _llm(srv, on_truncated="keep").complete("kept at once")
         assert len(srv.requests()) == 3
-        with pytest.raises(LLMError, match=r"cut at max_tokens.*summary_max_tokens"):
-            _llm(srv, on_truncated="error", max_retries=1).complete("strict")
+        with pytest.raises(LLMError, match=r"cut the completion at max_tokens.*summary_max_tokens"):
+            _llm(srv, on_truncated="error").complete("strict")
+        assert len(srv.requests()) == 5
 
 
 def test_connection_refused_is_reported_after_retries() -> None:
@@ -175,14 +175,18 @@ def test_embedder_retries_and_fails_typed() -> None:
         ("quota", LLMAuthenticationError, "billing"),
         ("400", LLMRequestError, "check the model name and parameters"),
         ("404", LLMRequestError, "check the model name"),
+        ("501", LLMRequestError, "HTTP 501"),
     ],
 )
 def test_non_retryable_errors_fail_fast(fault: str, error: type, advice: str) -> None:
     with FakeOpenAIServer(faults=lambda *_: fault) as srv:
+        llm = _llm(srv, backoff=1.0)  # six retries would take 30 s or more
+        llm.check_settings()
         start = time.perf_counter()
-        with pytest.raises(error, match=advice):
-            _llm(srv).complete("x")
-        assert time.perf_counter() - start < 1.0
+        with pytest.raises(error, match=advice) as info:
+            llm.complete("x")
+        assert type(info.value) is error
+        assert time.perf_counter() - start < 5.0
         assert len(srv.requests()) == 1
 
 

@@ -960,3 +960,23 @@ def test_persist_refuses_unsaveable_parameters_before_writing(tmp_path: Any) -> 
     with pytest.raises(InvalidParameterError, match="JSON"):
         retriever.persist(tmp_path / "r")
     assert not (tmp_path / "r").exists()
+
+
+def test_query_bundle_embedding_is_used_instead_of_the_query_string() -> None:
+    from llama_index.core.schema import QueryBundle
+
+    from raptor_core.testing import FakeEmbedder, tiny_tree
+    from raptor_llamaindex import RaptorRetriever
+
+    tree = tiny_tree()
+    embedder = FakeEmbedder(tree.dim)
+    retriever = RaptorRetriever(tree, embedder, similarity_top_k=1, max_tokens=None)
+    rocket_vector = embedder.embed_query("rockets orbit satellites launch").tolist()
+    # The text asks about cats, the precomputed embedding about rockets: the embedding wins.
+    (hit,) = retriever.retrieve(QueryBundle(query_str="cats purr", embedding=rocket_vector))
+    assert "ocket" in hit.node.get_content() or "atellite" in hit.node.get_content()
+    (hit,) = retriever.retrieve(QueryBundle(query_str="cats purr"))
+    assert "at" in hit.node.get_content().lower()
+    hyde = QueryBundle(query_str="cats purr", custom_embedding_strs=["rockets reach orbit"])
+    (hit,) = retriever.retrieve(hyde)
+    assert "ocket" in hit.node.get_content() or "orbit" in hit.node.get_content()

@@ -250,3 +250,30 @@ def test_carried_copies_are_never_returned(strategy: str) -> None:
     ids = [h.id for h in hits]
     assert "L2.0" not in ids
     assert "L1.1" in ids  # the original, reached through the copy by the top-down searches
+
+
+class CountingEmbedder(FakeEmbedder):
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.queries = 0
+
+    def embed_query(self, text: str):
+        self.queries += 1
+        return super().embed_query(text)
+
+
+@pytest.mark.parametrize("strategy", ["collapsed", "traversal", "value"])
+async def test_precomputed_query_embedding(tree: Tree, strategy: str) -> None:
+    from raptor_core import EmbeddingError
+
+    embedder = CountingEmbedder(tree.dim)
+    retriever = make_retriever(strategy, tree, embedder, k=2, max_tokens=None)
+    vector = FakeEmbedder(tree.dim).embed_query("rockets orbit")
+    by_vector = retriever.retrieve("this text is not embedded", embedding=vector)
+    assert embedder.queries == 0
+    assert [h.id for h in by_vector] == [h.id for h in retriever.retrieve("rockets orbit")]
+    assert [h.id for h in await retriever.aretrieve("x", embedding=list(vector))] == [h.id for h in by_vector]
+    with pytest.raises(EmbeddingError, match="dimension"):
+        retriever.retrieve("q", embedding=[1.0, 0.0])
+    with pytest.raises(EmbeddingError, match="NaN"):
+        retriever.retrieve("q", embedding=np.full(tree.dim, np.nan))
