@@ -49,8 +49,9 @@ def main() -> int:
     paths = sys.argv[1:] or [str(Path(__file__).resolve().parents[1] / "docs")]
     out = Path(os.environ.get("RAPTOR_OUT", ".raptor/openai-tree"))
 
+    embedder = OpenAIEmbedder(embed_model, batch_size=64, max_concurrency=4)
     builder = TreeBuilder(
-        OpenAIEmbedder(embed_model, batch_size=64, max_concurrency=4),
+        embedder,
         OpenAISummarizer(chat_model, timeout=120),
         max_concurrency=8,
         random_state=0,  # the same clusters on a rerun, so the cache answers them
@@ -76,7 +77,7 @@ def main() -> int:
             f"({llm.get('cache_hits', 0)} from the cache), {llm.get('prompt_tokens', 0)} prompt + "
             f"{llm.get('completion_tokens', 0)} completion tokens"
         )
-    retriever = CollapsedTreeRetriever(tree, builder.embedder, k=3, max_tokens=800)
+    retriever = CollapsedTreeRetriever(tree, embedder, k=3, max_tokens=800)
     for hit in retriever.retrieve("What is this collection of documents about?"):
         print(f"\n[{hit.node.id}, layer {hit.node.layer}, score {hit.score:.3f}]")
         print(hit.node.text[:300])

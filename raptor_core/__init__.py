@@ -12,7 +12,10 @@ import logging
 from raptor_core._version import __version__
 from raptor_core.backends.faiss_index import FaissIndex
 from raptor_core.backends.numpy_index import NumpyIndex
+from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
 from raptor_core.builder import TreeBuilder
+from raptor_core.chunking import SentenceChunker
+from raptor_core.clustering import GMMClusterer
 from raptor_core.exceptions import (
     BackendError,
     EmbeddingError,
@@ -20,6 +23,7 @@ from raptor_core.exceptions import (
     InvalidParameterError,
     LLMAuthenticationError,
     LLMError,
+    LLMRequestError,
     LLMTimeoutError,
     MissingDependencyError,
     RaptorError,
@@ -31,6 +35,7 @@ from raptor_core.llm_search import LLMGuidedRetriever
 from raptor_core.retrieval import CollapsedTreeRetriever, Hit, TreeRetriever
 from raptor_core.strategies import STRATEGIES, make_retriever
 from raptor_core.summarizers import ExtractiveSummarizer, LLMSummarizer
+from raptor_core.tokenizers import RegexTokenizer, TiktokenTokenizer
 from raptor_core.traversal import TreeTraversalRetriever
 from raptor_core.tree import Node, Tree
 from raptor_core.types import (
@@ -70,6 +75,7 @@ __all__ = [
     "EmbeddingError",
     "ExtractiveSummarizer",
     "FaissIndex",
+    "GMMClusterer",
     "Hit",
     "HybridResult",
     "HybridRetriever",
@@ -78,6 +84,7 @@ __all__ = [
     "JudgeDecision",
     "LLMAuthenticationError",
     "LLMError",
+    "LLMRequestError",
     "LLMGuidedRetriever",
     "LLMSummarizer",
     "LLMTimeoutError",
@@ -85,8 +92,12 @@ __all__ = [
     "Node",
     "NumpyIndex",
     "RaptorError",
+    "RegexTokenizer",
+    "SentenceChunker",
+    "SentenceTransformerEmbedder",
     "SummarizationError",
     "Summarizer",
+    "TiktokenTokenizer",
     "Tokenizer",
     "Tree",
     "TreeBuilder",

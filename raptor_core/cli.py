@@ -274,8 +274,12 @@ def _hit_json(tree: Any, hit: Any) -> dict[str, Any]:
 
 
 def _cli_llm(args: argparse.Namespace) -> Any:
-    """The LLM for ``--strategy llm|hybrid`` (None until an LLM backend is wired to ``query``)."""
-    return None
+    """The LLM for ``--strategy llm|hybrid``: ``--llm openai`` (any OpenAI-compatible server)."""
+    if getattr(args, "llm", None) != "openai":
+        return None
+    from raptor_core.backends.openai import OpenAIChatLLM
+
+    return OpenAIChatLLM(args.llm_model, base_url=args.llm_base_url, timeout=args.timeout)
 
 
 #: ``query`` flag (argparse dest) -> retriever parameter; a flag left unset is not passed.
@@ -448,6 +452,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--min-score", type=float, default=None, help="ignore nodes below this cosine")
     add("--llm-timeout", type=float, default=None, help="llm/hybrid: seconds per LLM call")
     add("--search-timeout", type=float, default=None, help="hybrid: seconds in all (60)")
+    add("--llm", choices=["openai"], default=None, help="llm/hybrid: the chat model's API")
+    add("--llm-model", default="gpt-4o-mini", help="llm/hybrid: chat model for --llm openai")
+    add("--llm-base-url", default=None, help="OpenAI-compatible API root ($OPENAI_BASE_URL)")
+    add("--timeout", type=float, default=60.0, help="llm/hybrid: seconds per request (60)")
     query.add_argument("--embed-model", default=None, help="override the tree's embedding model")
     query.add_argument("--json", action="store_true", help="print hits as JSON")
     query.set_defaults(func=_cmd_query)

@@ -215,6 +215,8 @@ class FakeOpenAIServer:
         slow_seconds: how long a ``"slow"`` fault stalls before answering.
         on_request: called with each :class:`Record` before it is answered (for example to
             SIGKILL a client at a chosen request).
+        completion: ``completion(prompt, max_tokens) -> str`` writes the chat answers
+            (:func:`fake_completion` by default; tests of LLM-guided search script JSON).
     """
 
     def __init__(
@@ -229,7 +231,9 @@ class FakeOpenAIServer:
         retry_after: str = "0.05",
         slow_seconds: float = 1.0,
         on_request: Callable[[Record], None] | None = None,
+        completion: Callable[[str, int | None], str] = fake_completion,
     ) -> None:
+        self.completion = completion
         self.delay = delay
         self.embed_delay = embed_delay
         self.faults = faults
@@ -428,7 +432,7 @@ class FakeOpenAIServer:
         messages = body.get("messages") or []
         prompt = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
         limit = body.get("max_tokens") or body.get("max_completion_tokens")
-        content = fake_completion(prompt, limit)
+        content = self.completion(prompt, limit)
         finish = "stop"
         if fault == "empty":
             content = ""
@@ -517,7 +521,12 @@ def openai_builder(
     from raptor_core.builder import TreeBuilder
     from raptor_core.testing import WhitespaceTokenizer
 
-    retry = {"timeout": timeout, "max_retries": max_retries, "backoff": 0.01, "max_backoff": 0.05}
+    retry: dict[str, Any] = {
+        "timeout": timeout,
+        "max_retries": max_retries,
+        "backoff": 0.01,
+        "max_backoff": 0.05,
+    }
     embedder = OpenAIEmbedder(
         "fake-embed",
         base_url=url,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -53,8 +54,8 @@ NO_PUNCTUATION = " ".join(
 )
 
 
-def fast_builder(embedder=None, summarizer=None, **kwargs) -> TreeBuilder:
-    params = {
+def fast_builder(embedder: Any = None, summarizer: Any = None, **kwargs: Any) -> TreeBuilder:
+    params: dict[str, Any] = {
         "tokenizer": WhitespaceTokenizer(),
         "clusterer": GroupClusterer(),
         "chunk_max_tokens": 10,
@@ -66,6 +67,7 @@ def fast_builder(embedder=None, summarizer=None, **kwargs) -> TreeBuilder:
 
 def _assert_leaves_cover(tree, docs: dict[str, str]) -> None:
     for leaf in tree.leaves:
+        assert leaf.span is not None
         start, end = leaf.span
         assert docs[leaf.doc_id][start:end].strip() == leaf.text
 
@@ -135,6 +137,7 @@ def test_five_megabyte_single_line_builds() -> None:
     assert len(tree.leaves) > 5000
     assert all(leaf.token_count <= 100 for leaf in tree.leaves)
     first, last = tree.leaves[0], tree.leaves[-1]
+    assert first.span is not None and last.span is not None
     assert line[first.span[0] : first.span[1]] == first.text and last.span[1] == len(line)
 
 
@@ -293,7 +296,7 @@ def test_real_clustering_survives_degenerate_input(documents: list[str]) -> None
 
 
 # -- properties --------------------------------------------------------------------------------
-_texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=0, max_size=300)
+_texts = st.text(alphabet=st.characters(codec="utf-8"), min_size=0, max_size=300)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

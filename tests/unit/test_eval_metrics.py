@@ -409,6 +409,10 @@ def test_llm_strategies_are_skipped_without_an_llm() -> None:
     specs, skipped = resolve_retrievers(["collapsed", "llm", "hybrid"])
     assert [s.name for s in specs] == ["collapsed"]
     assert set(skipped) == {"llm", "hybrid"} and "needs an LLM" in skipped["llm"]
+    from raptor_core.testing import ScriptedLLM
+
+    specs, skipped = resolve_retrievers(["llm", "hybrid"], llm=ScriptedLLM([]))
+    assert [s.name for s in specs] == ["llm", "hybrid"] and not skipped
     with pytest.raises(InvalidParameterError, match="unknown retriever 'nope'"):
         resolve_retrievers(["nope"])
     with pytest.raises(InvalidParameterError, match="listed twice"):
@@ -506,3 +510,14 @@ def test_each_question_is_embedded_once_for_all_retrievers() -> None:
     embedder = CountingEmbedder()
     run(embedder=embedder, retrievers=["collapsed", "dense"], cache_query_embeddings=False)
     assert len(embedder.queries) == 2 * 3 * len(QUESTIONS)  # retrievers x budgets x questions
+
+
+def test_llm_strategies_run_when_an_llm_is_configured() -> None:
+    from raptor_core.testing import ScriptedLLM
+
+    result = run(retrievers=["llm", "hybrid"], llm=ScriptedLLM(default="1"))
+    assert result.retrievers == ["llm", "hybrid"] and not result.skipped
+    assert result.config["llm"]["class"].endswith("ScriptedLLM")
+    for row in result.rows:
+        assert row["context_tokens"] <= row["budget"]
+        assert 0.0 <= row["evidence_recall"] <= 1.0

@@ -8,6 +8,7 @@ import time
 import traceback
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ from raptor_core.exceptions import (
 pytestmark = [*LOCALHOST, pytest.mark.timeout(120)]
 
 KEY = "sk-proj-SECRET-abcdef0123456789"
-FAST = {"backoff": 0.01, "max_backoff": 0.05}
+FAST: dict[str, Any] = {"backoff": 0.01, "max_backoff": 0.05}
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +51,7 @@ def clean_tree():
 
 
 def _llm(server: FakeOpenAIServer, **kwargs) -> OpenAIChatLLM:
-    params = {"base_url": server.url, "api_key": KEY, "timeout": 2.0, **FAST}
+    params: dict[str, Any] = {"base_url": server.url, "api_key": KEY, "timeout": 2.0, **FAST}
     params.update(kwargs)
     return OpenAIChatLLM("fake-chat", **params)
 
@@ -82,6 +83,7 @@ def test_retry_after_is_honoured() -> None:
         elapsed = time.perf_counter() - start
         assert elapsed >= 0.4  # never earlier than asked, though the backoff step is 10 ms
         first, second = srv.requests("chat")
+        assert first.finished is not None
         assert second.started - first.finished >= 0.39
         assert llm.usage.snapshot()["retries"] == 1
 
