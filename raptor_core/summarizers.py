@@ -122,7 +122,13 @@ class ExtractiveSummarizer:
                 ids = tokenizer.encode(sentences[best])[:max_tokens]
                 out.append(tokenizer.decode(ids).strip())
                 continue
-            out.append(_join_sentences([sentences[i] for i in sorted(chosen)]))
+            summary = _join_sentences([sentences[i] for i in sorted(chosen)])
+            # Sentence costs were counted one by one; joined, BPE may merge or split at the
+            # seams.  Drop the last (least valuable) picks until the real count fits.
+            while len(chosen) > 1 and count_tokens(tokenizer, summary) > max_tokens:
+                chosen.pop()
+                summary = _join_sentences([sentences[i] for i in sorted(chosen)])
+            out.append(summary)
         return out
 
 

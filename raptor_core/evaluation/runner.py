@@ -86,7 +86,7 @@ METRICS: tuple[str, ...] = ("evidence_recall", "answer_recall", "span_recall", "
 _RAPTOR_K = 1000
 _CACHE_KEY_FILE = "eval-key.json"
 
-#: ``progress(stage, done, total)``, stages ``"trees"``, ``"indexes"`` and ``"questions"``.
+#: ``progress(stage, done, total)``, stages ``"trees"`` and ``"questions"``.
 ProgressCallback = Callable[[str, int, int], None]
 
 

@@ -339,3 +339,18 @@ def test_extractive_memo_embeds_each_sentence_once() -> None:
     summarizer.embedder = other  # a different model must not reuse the old vectors
     summarizer.summarize([shared], max_tokens=5)
     assert other.texts_embedded == 1
+
+
+class SeamTokenizer(WhitespaceTokenizer):
+    """Counts one extra token per sentence seam, as BPE can at a join."""
+
+    def count(self, text: str) -> int:
+        return len(text.split()) + text.count(". ")
+
+
+def test_extractive_summary_fits_budget_even_when_joining_adds_tokens() -> None:
+    summarizer = ExtractiveSummarizer(FakeEmbedder(64), tokenizer=SeamTokenizer())
+    texts = [TOPICS["cats"], TOPICS["rockets"], TOPICS["bread"]]
+    for budget in (5, 8, 12, 20):
+        summary = summarizer.summarize(texts, max_tokens=budget)
+        assert 0 < SeamTokenizer().count(summary) <= budget

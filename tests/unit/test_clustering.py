@@ -64,8 +64,15 @@ def test_small_inputs(n: int) -> None:
         assert clusters == []
         return
     assert_canonical(clusters, n)
-    if n <= 2:
+    if n <= 11:  # at most reduction_dim + 1 points: kept whole, as in the paper
         assert clusters == [list(range(n))]
+
+
+@pytest.mark.parametrize(("n", "reduction_dim"), [(3, 1), (4, 2), (5, 1), (13, 2)])
+def test_small_inputs_small_reduction(n: int, reduction_dim: int) -> None:
+    vectors = np.random.default_rng(n).normal(size=(n, 24)).astype(np.float32)
+    clusters = GMMClusterer(reduction_dim=reduction_dim, random_state=0).cluster(vectors)
+    assert_canonical(clusters, n)
 
 
 def test_empty_input_with_zero_columns() -> None:
