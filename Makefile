@@ -39,6 +39,9 @@ lint: install-dev
 bench: install-dev
 	$(BIN)/python benchmarks/build.py
 	$(BIN)/python benchmarks/query.py
+	$(BIN)/python benchmarks/cluster_threads.py
+	$(BIN)/python benchmarks/vs_baselines.py
+	$(BIN)/python benchmarks/quality.py
 
 clean:
 	rm -rf .raptor .pytest_cache .mypy_cache .ruff_cache

@@ -87,8 +87,11 @@ class GMMClusterer:
         random_state: seed for UMAP and the mixtures; the same seed and input give the same
             clusters.  None draws fresh randomness.
 
-    UMAP's numba kernels are compiled on first use (several seconds); this class enables numba's
-    on-disk cache for them, so later processes on the same machine skip most of that cost.
+    At most ``reduction_dim + 1`` points (the whole input, or one global cluster) are kept as
+    one cluster, as the paper's code does: too few for UMAP or for a meaningful mixture.
+
+    UMAP's numba kernels are compiled on first use (about 4 s); this class enables numba's
+    on-disk cache for them, so later processes on the same machine skip that cost.
 
     Examples:
         >>> import numpy as np
@@ -252,6 +255,8 @@ class GMMClusterer:
                 # spectral-init fallbacks on tiny or degenerate graphs (random init is seeded),
                 # disconnected points in the neighbour graph.
                 warnings.filterwarnings("ignore", category=UserWarning, module=r"umap\.")
+                # ... and the same, about disconnected graphs, from sklearn's spectral embedding.
+                warnings.filterwarnings("ignore", message="Graph is not fully connected")
                 reduced = reducer.fit_transform(x)
         except (ValueError, RuntimeError, TypeError, np.linalg.LinAlgError) as exc:
             logger.debug("UMAP failed on %d points (%s); using PCA instead", n, exc)
@@ -507,9 +512,10 @@ def cluster_within_limit(
     out: dict[tuple[int, ...], None] = {}  # insertion-ordered set
     # Depth-first over an explicit stack: no recursion limit, output in a deterministic order.
     stack: list[tuple[NDArray[np.intp], int]] = []
-    top = _clusterer_children(clusterer, x, everything)
-    for child in reversed(top):
-        stack.append((child, 1))
+    for child in reversed(_clusterer_children(clusterer, x, everything)):
+        # A cluster holding every row was just returned for these very rows: asking the
+        # clusterer again would repeat it, so such a cluster goes straight to the split.
+        stack.append((child, 1 if len(child) < n else _MAX_RECLUSTER_DEPTH + 1))
     while stack:
         members, depth = stack.pop()
         if len(members) == 1 or int(tokens[members].sum()) <= max_tokens:

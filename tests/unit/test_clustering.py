@@ -101,6 +101,20 @@ def test_degenerate_data_never_crashes(metric: str) -> None:
     assert_canonical(clusters, len(vectors))
 
 
+def test_pca_fallback_when_umap_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    umap = pytest.importorskip("umap")
+
+    def broken(self: object, x: object) -> None:
+        msg = "spectral layout failed"
+        raise ValueError(msg)
+
+    monkeypatch.setattr(umap.UMAP, "fit_transform", broken)
+    vectors = blobs(1, per_blob=15)
+    clusters = GMMClusterer(random_state=0).cluster(vectors)
+    assert_canonical(clusters, len(vectors))
+    assert all(len({i // 15 for i in c}) == 1 for c in clusters)
+
+
 def test_well_separated_blobs_are_never_mixed() -> None:
     vectors = blobs(0)
     clusters = GMMClusterer(random_state=0).cluster(vectors)
