@@ -27,7 +27,7 @@ install-dev: $(BIN)/python
 quickstart: install
 	$(BIN)/raptor build docs README.md --out .raptor/docs-tree
 	$(BIN)/raptor inspect .raptor/docs-tree
-	$(BIN)/raptor query .raptor/docs-tree "How does RAPTOR decide how many clusters to make?" --max-tokens 400
+	$(BIN)/raptor query .raptor/docs-tree "What happens to a cluster that is too long to summarise?" --max-tokens 400
 
 test: install-dev
 	$(BIN)/python -m pytest -q

@@ -1,0 +1,87 @@
+"""The numbered examples run as users would run them (offline; 02 against a local server)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from openai_server import FakeOpenAIServer
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+
+def _run(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    merged = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args],
+        capture_output=True, text=True, env=merged, timeout=600, check=False, cwd=ROOT,
+    )  # fmt: skip
+
+
+def test_every_example_is_tested() -> None:
+    names = sorted(p.name for p in EXAMPLES.glob("[0-9][0-9]_*.py"))
+    assert names == [
+        "01_quickstart_offline.py",
+        "02_openai_compatible.py",
+        "03_llamaindex.py",
+        "04_langchain.py",
+        "05_persist_and_load.py",
+    ]
+
+
+def test_01_quickstart_offline() -> None:
+    proc = _run("01_quickstart_offline.py")
+    assert proc.returncode == 0, proc.stderr
+    assert "Krakatoa" in proc.stdout and "layers [0" in proc.stdout
+
+
+def test_02_openai_compatible_against_local_server(tmp_path: Path) -> None:
+    with FakeOpenAIServer() as server:
+        env = {
+            "OPENAI_BASE_URL": server.url,
+            "OPENAI_API_KEY": "sk-example-test",
+            "RAPTOR_CHAT_MODEL": "fake-chat",
+            "RAPTOR_EMBED_MODEL": "fake-embed",
+            "RAPTOR_OUT": str(tmp_path / "tree"),
+        }
+        proc = _run("02_openai_compatible.py", str(ROOT / "tests" / "data" / "corpus"), env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert server.successes("chat") and server.successes("embeddings")
+        assert "sk-example-test" not in proc.stdout + proc.stderr
+        paid = len(server.requests("chat"))
+        again = _run("02_openai_compatible.py", str(ROOT / "tests" / "data" / "corpus"), env=env)
+        assert again.returncode == 0, again.stderr
+        assert len(server.requests("chat")) == paid  # the build cache answered everything
+
+
+def test_02_without_configuration_says_what_to_set() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "02_openai_compatible.py")],
+        capture_output=True, text=True, env=env, timeout=60, check=False, cwd=ROOT,
+    )  # fmt: skip
+    assert "OPENAI_API_KEY" in proc.stdout + proc.stderr
+
+
+def test_03_llamaindex() -> None:
+    proc = _run("03_llamaindex.py")
+    assert proc.returncode == 0, proc.stderr
+    assert "VectorStoreIndex" in proc.stdout
+
+
+def test_04_langchain() -> None:
+    proc = _run("04_langchain.py")
+    assert proc.returncode == 0, proc.stderr
+    assert "InMemoryVectorStore" in proc.stdout
+
+
+def test_05_persist_and_load() -> None:
+    proc = _run("05_persist_and_load.py")
+    assert proc.returncode == 0, proc.stderr
+    assert "damaged tree refused" in proc.stdout
