@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 
 
-def load_corpus(target_tokens: int, count) -> tuple[list[dict[str, str]], str]:  # noqa: ANN001
+def load_corpus(target_tokens: int, count) -> tuple[list[dict[str, str]], str]:
     docs: list[dict[str, str]] = []
     total = 0
     source = SHARED / "quality_docs.jsonl"

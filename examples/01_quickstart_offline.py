@@ -24,12 +24,17 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> None:
     path = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "tests" / "data" / "multi_topic.md"
     embedder = SentenceTransformerEmbedder()
-    tree = TreeBuilder(embedder, random_state=0).build([{"doc_id": path.name, "text": path.read_text()}])
+    tree = TreeBuilder(embedder, random_state=0).build(
+        [{"doc_id": path.name, "text": path.read_text()}]
+    )
     shape = ", ".join(f"layer {x['layer']}: {x['nodes']}" for x in tree.build_info["layers"])
     print(f"built {tree!r} ({shape})")
 
     retriever = CollapsedTreeRetriever(tree, embedder, k=5, max_tokens=400)
-    for question in ("In what year did Krakatoa erupt?", "What are the broad subjects this text covers?"):
+    for question in (
+        "In what year did Krakatoa erupt?",
+        "What are the broad subjects this text covers?",
+    ):
         hits = retriever.retrieve(question)
         layers = sorted({h.layer for h in hits})
         print(f"\nQ: {question}  ->  {len(hits)} nodes from layers {layers}")

@@ -27,7 +27,9 @@ TEXTS = [
 def main() -> None:
     # Fakes keep this example instant; the format is the same with the real model.
     embedder = FakeEmbedder(64)
-    builder = TreeBuilder(embedder, EchoSummarizer(), tokenizer=WhitespaceTokenizer(), chunk_max_tokens=10)
+    builder = TreeBuilder(
+        embedder, EchoSummarizer(), tokenizer=WhitespaceTokenizer(), chunk_max_tokens=10
+    )
     tree = builder.build(TEXTS)
     with tempfile.TemporaryDirectory() as tmp:
         directory = tree.save(Path(tmp) / "tree")

@@ -61,7 +61,13 @@ def describe(component: object) -> dict[str, Any]:
     cls = type(component)
     out: dict[str, Any] = {"class": f"{cls.__module__}.{cls.__qualname__}"}
     get_params = getattr(component, "get_params", None)
-    params = get_params() if callable(get_params) else vars(component) if hasattr(component, "__dict__") else {}
+    params = (
+        get_params()
+        if callable(get_params)
+        else vars(component)
+        if hasattr(component, "__dict__")
+        else {}
+    )
     for key, value in params.items():
         if key.startswith("_") or "key" in key.lower():  # never record credentials
             continue
@@ -89,7 +95,9 @@ def to_documents(documents: Iterable[str | Document | Mapping[str, Any]]) -> lis
                 raise InvalidInputError(msg)
             extra = {k: v for k, v in item.items() if k not in {"text", "doc_id", "metadata"}}
             meta = {**extra, **dict(item.get("metadata") or {})}
-            doc = Document(text=item["text"], doc_id=str(item.get("doc_id", f"doc-{i}")), metadata=meta)
+            doc = Document(
+                text=item["text"], doc_id=str(item.get("doc_id", f"doc-{i}")), metadata=meta
+            )
         else:
             msg = f"document #{i} must be a str, Document or mapping, got {type(item).__name__}"
             raise InvalidInputError(msg)
@@ -117,7 +125,9 @@ def _check_text(doc: Document) -> None:
     sample = doc.text[:100_000]
     # Control characters other than whitespace do not occur in text; a NUL or many of them
     # means a binary file was decoded as text.
-    controls = sum(1 for ch in sample if unicodedata.category(ch) == "Cc" and ch not in "\t\n\r\f\v")
+    controls = sum(
+        1 for ch in sample if unicodedata.category(ch) == "Cc" and ch not in "\t\n\r\f\v"
+    )
     if "\x00" in sample or controls > max(8, len(sample) // 100):
         msg = f"document {doc.doc_id!r} looks binary ({controls} control characters): pass text, not file bytes"
         raise InvalidInputError(msg)
@@ -222,7 +232,9 @@ class TreeBuilder:
                 f"({self.chunk_max_tokens}), or no cluster of two chunks could be summarised"
             )
             raise InvalidParameterError(msg)
-        if self.n_threads is not None and (not isinstance(self.n_threads, int) or self.n_threads < 1):
+        if self.n_threads is not None and (
+            not isinstance(self.n_threads, int) or self.n_threads < 1
+        ):
             msg = f"n_threads must be a positive integer or None, got {self.n_threads!r}"
             raise InvalidParameterError(msg)
         if self.random_state is not None and not isinstance(self.random_state, int):
@@ -331,7 +343,9 @@ class TreeBuilder:
 
         n, per_node = len(tokens), (sum(tokens) / len(tokens) if tokens else 0.0)
         layers = [
-            LayerEstimate(layer=0, nodes=n, embed_calls=math.ceil(n / batch), embed_tokens=sum(tokens))
+            LayerEstimate(
+                layer=0, nodes=n, embed_calls=math.ceil(n / batch), embed_tokens=sum(tokens)
+            )
         ]
         for layer in range(1, self.max_layers + 1):
             if n < self.min_layer_size:
@@ -358,14 +372,18 @@ class TreeBuilder:
 class _BuildRun:
     """State of one build; the builder itself keeps only parameters."""
 
-    def __init__(self, builder: TreeBuilder, documents: Iterable[str | Document | Mapping[str, Any]]) -> None:
+    def __init__(
+        self, builder: TreeBuilder, documents: Iterable[str | Document | Mapping[str, Any]]
+    ) -> None:
         builder._validate()
         self.b = builder
         self.docs = to_documents(documents)
         if not self.docs:
             msg = "no documents to build a tree from"
             raise InvalidInputError(msg)
-        self.embedder, self.summarizer, self.tokenizer, self.chunker, self.clusterer = builder._components()
+        self.embedder, self.summarizer, self.tokenizer, self.chunker, self.clusterer = (
+            builder._components()
+        )
         self.raw_embedder, self.raw_summarizer = self.embedder, self.summarizer
         self.cache, self.owns_cache = _open_cache(builder.cache)
         if self.cache is not None:
@@ -380,7 +398,12 @@ class _BuildRun:
         self.layer_nodes: list[Node] = []  # the layer being clustered
         self.layer_vectors: NDArray[np.float32] = np.zeros((0, 0), dtype=np.float32)
         self.clusters: list[list[int]] = []
-        self.timings: dict[str, float] = {"chunk": 0.0, "embed": 0.0, "cluster": 0.0, "summarize": 0.0}
+        self.timings: dict[str, float] = {
+            "chunk": 0.0,
+            "embed": 0.0,
+            "cluster": 0.0,
+            "summarize": 0.0,
+        }
         self.layers_info: list[dict[str, Any]] = []
         self.stop_reason = ""
         self.layer = 0
@@ -406,7 +429,9 @@ class _BuildRun:
                         id=f"L0.{len(self.layer_nodes)}",
                         text=text,
                         layer=0,
-                        token_count=chunk.token_count if chunk.token_count else count_tokens(self.tokenizer, text),
+                        token_count=chunk.token_count
+                        if chunk.token_count
+                        else count_tokens(self.tokenizer, text),
                         doc_id=doc.doc_id,
                         span=(chunk.start, chunk.end),
                         doc_ids=(doc.doc_id,),
@@ -495,7 +520,9 @@ class _BuildRun:
             "tokens": int(sum(n.token_count for n in self.layer_nodes)),
         }
         if self.layer > 0:
-            info["mean_children"] = round(float(np.mean([len(n.children) for n in self.layer_nodes])), 3)
+            info["mean_children"] = round(
+                float(np.mean([len(n.children) for n in self.layer_nodes])), 3
+            )
         usage = self.usage_delta()
         if usage:
             info["usage"] = usage
@@ -534,7 +561,9 @@ class _BuildRun:
             return False
         start = time.perf_counter()
         tokens = [node.token_count for node in self.layer_nodes]
-        clusters = cluster_within_limit(self.clusterer, self.layer_vectors, tokens, self.b.cluster_max_tokens)
+        clusters = cluster_within_limit(
+            self.clusterer, self.layer_vectors, tokens, self.b.cluster_max_tokens
+        )
         self.timings["cluster"] += time.perf_counter() - start
         self._progress("cluster", self.layer + 1, self.layer + 1)
         clusters = [sorted(set(c)) for c in clusters if c]
@@ -634,7 +663,9 @@ class _BuildRun:
             with ThreadPoolExecutor(max_workers=min(self.b.max_concurrency, len(texts))) as pool:
                 futures = [pool.submit(one, i) for i in range(len(texts))]
                 try:
-                    for done, (i, fut) in enumerate(zip(range(len(texts)), futures, strict=True), 1):
+                    for done, (i, fut) in enumerate(
+                        zip(range(len(texts)), futures, strict=True), 1
+                    ):
                         error = fut.exception()
                         if error is not None:
                             raise self._wrap(todo[i], error) from error
@@ -664,7 +695,9 @@ class _BuildRun:
                     if isinstance(self.summarizer, AsyncSummarizer):
                         summary = await self.summarizer.asummarize(texts[i], max_tokens=limit)
                     else:
-                        summary = await asyncio.to_thread(self.summarizer.summarize, texts[i], max_tokens=limit)
+                        summary = await asyncio.to_thread(
+                            self.summarizer.summarize, texts[i], max_tokens=limit
+                        )
                 except Exception as exc:
                     raise self._wrap(todo[i], exc) from exc
             done += 1
@@ -701,7 +734,9 @@ class _BuildRun:
                     id=f"L{self.layer}.{i}",
                     text=summary,
                     layer=self.layer,
-                    token_count=members[0].token_count if carried else count_tokens(self.tokenizer, summary),
+                    token_count=members[0].token_count
+                    if carried
+                    else count_tokens(self.tokenizer, summary),
                     children=tuple(m.id for m in members),
                     doc_ids=tuple(covered),
                     # Marks a copy of its only child, so retrieval can skip the duplicate.
@@ -711,7 +746,9 @@ class _BuildRun:
         self.layer_nodes = new_nodes
 
     def finish(self) -> Tree:
-        embeddings = np.concatenate(self.vectors) if self.vectors else np.zeros((0, 0), dtype=np.float32)
+        embeddings = (
+            np.concatenate(self.vectors) if self.vectors else np.zeros((0, 0), dtype=np.float32)
+        )
         params = self.b.get_params()
         params.update(
             embedder=describe(self.raw_embedder),
@@ -738,7 +775,9 @@ class _BuildRun:
         if self.cache is not None and self.owns_cache:
             self.cache.close()
         logger.info("built tree: %s", build_info)
-        return Tree(nodes=tuple(self.nodes), embeddings=embeddings, params=params, build_info=build_info)
+        return Tree(
+            nodes=tuple(self.nodes), embeddings=embeddings, params=params, build_info=build_info
+        )
 
 
 def _open_cache(cache: object) -> tuple[BuildCache | None, bool]:

@@ -29,7 +29,11 @@ def _iter_files(paths: Sequence[str]) -> Iterator[Path]:
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES | {".jsonl"})
+            found = sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES | {".jsonl"}
+            )
             if not found:
                 msg = f"{path} contains no .txt, .md, .rst or .jsonl files"
                 raise InvalidInputError(msg)
@@ -70,11 +74,15 @@ def read_documents(paths: Sequence[str]) -> list[Document]:
                     msg = f"{path}:{lineno} needs a JSON object with a string 'text' field"
                     raise InvalidInputError(msg)
                 doc_id = str(record.get("doc_id", f"{path.stem}:{lineno}"))
-                meta = {k: v for k, v in record.items() if k not in {"text", "doc_id"} and _is_scalar(v)}
+                meta = {
+                    k: v for k, v in record.items() if k not in {"text", "doc_id"} and _is_scalar(v)
+                }
                 meta["source"] = str(path)
                 docs.append(Document(text=record["text"], doc_id=doc_id, metadata=meta))
         else:
-            docs.append(Document(text=_read_text(path), doc_id=str(path), metadata={"source": str(path)}))
+            docs.append(
+                Document(text=_read_text(path), doc_id=str(path), metadata={"source": str(path)})
+            )
     return docs
 
 
@@ -226,8 +234,12 @@ def _cmd_build(args: argparse.Namespace) -> int:
     info = tree.build_info
     layers = ", ".join(f"L{x['layer']}={x['nodes']}" for x in info["layers"])
     timings = dict(info["timings"], persist=round(persist, 4))
-    print(f"built {args.out}: {info['documents']} documents, {info['chunks']} chunks, nodes per layer: {layers}")
-    print("time: " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()) + f", total {total:.2f}s")
+    print(
+        f"built {args.out}: {info['documents']} documents, {info['chunks']} chunks, nodes per layer: {layers}"
+    )
+    print(
+        "time: " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()) + f", total {total:.2f}s"
+    )
     print(f"stopped: {info['stop_reason']}")
     _print_usage(info)
     return 0
@@ -339,7 +351,9 @@ def _cmd_query(args: argparse.Namespace) -> int:
     used = sum(h.node.token_count for h in hits)
     print(f"{len(hits)} nodes, {used} tokens")
     for hit in hits:
-        where = hit.node.doc_id if hit.node.layer == 0 else f"summary of {len(hit.node.doc_ids)} doc(s)"
+        where = (
+            hit.node.doc_id if hit.node.layer == 0 else f"summary of {len(hit.node.doc_ids)} doc(s)"
+        )
         print(f"\n[{hit.node.id} | layer {hit.node.layer} | score {hit.score:.3f} | {where}]")
         print(hit.node.text)
     return 0
@@ -367,7 +381,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"layers": rows, "params": tree.params, "build_info": info}, indent=2))
         return 0
-    print(f"{args.tree}: {len(tree)} nodes, {tree.num_layers} layers, dim {tree.dim}, {len(tree.doc_ids)} documents")
+    print(
+        f"{args.tree}: {len(tree)} nodes, {tree.num_layers} layers, dim {tree.dim}, {len(tree.doc_ids)} documents"
+    )
     print(f"{'layer':>5} {'nodes':>7} {'tokens':>9} {'avg children':>13} {'compression':>12}")
     for r in rows:
         avg = "-" if r["avg_children"] is None else f"{r['avg_children']:.2f}"
@@ -386,15 +402,27 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     build = sub.add_parser("build", help="build a tree from text/markdown files, folders or .jsonl")
-    build.add_argument("paths", nargs="+", help="files or folders (.txt .md .rst, .jsonl with doc_id/text)")
+    build.add_argument(
+        "paths", nargs="+", help="files or folders (.txt .md .rst, .jsonl with doc_id/text)"
+    )
     build.add_argument("--out", required=True, help="directory to write the tree to")
-    build.add_argument("--chunk-tokens", type=int, default=100, help="leaf chunk size (default 100)")
-    build.add_argument("--summary-tokens", type=int, default=100, help="summary length (default 100)")
-    build.add_argument("--cluster-max-tokens", type=int, default=3500, help="max tokens summarised at once")
+    build.add_argument(
+        "--chunk-tokens", type=int, default=100, help="leaf chunk size (default 100)"
+    )
+    build.add_argument(
+        "--summary-tokens", type=int, default=100, help="summary length (default 100)"
+    )
+    build.add_argument(
+        "--cluster-max-tokens", type=int, default=3500, help="max tokens summarised at once"
+    )
     build.add_argument("--max-layers", type=int, default=5, help="max summary layers (default 5)")
-    build.add_argument("--seed", type=int, default=0, help="random_state for clustering (default 0)")
+    build.add_argument(
+        "--seed", type=int, default=0, help="random_state for clustering (default 0)"
+    )
     build.add_argument("--threads", type=int, default=None, help="cap torch/BLAS/numba threads")
-    build.add_argument("--embed-model", default=None, help="sentence-transformers model name or path")
+    build.add_argument(
+        "--embed-model", default=None, help="sentence-transformers model name or path"
+    )
     llm = build.add_argument_group("models and services (see docs/llm-services.md)")
     llm.add_argument(
         "--llm",
@@ -430,7 +458,9 @@ def _parser() -> argparse.ArgumentParser:
         help="reuse answers cached in OUT/.raptor-cache by an earlier or interrupted build "
         "(default); --no-resume empties that cache first",
     )
-    llm.add_argument("--dry-run", action="store_true", help="estimate calls and tokens; call nothing")
+    llm.add_argument(
+        "--dry-run", action="store_true", help="estimate calls and tokens; call nothing"
+    )
     build.add_argument("--no-progress", action="store_true", help="no progress bars")
     build.add_argument("--quiet", "-q", action="store_true", help="print nothing on success")
     build.set_defaults(func=_cmd_build)
@@ -440,7 +470,9 @@ def _parser() -> argparse.ArgumentParser:
     query.add_argument("question")
     query.add_argument("--top-k", "-k", type=int, default=10, help="max nodes (default 10)")
     query.add_argument("--max-tokens", type=int, default=2000, help="context budget (default 2000)")
-    query.add_argument("--layers", default=None, help="comma-separated layers to search (collapsed)")
+    query.add_argument(
+        "--layers", default=None, help="comma-separated layers to search (collapsed)"
+    )
     strategy = query.add_argument_group("retrieval strategy (see docs/retrieval.md)")
     add = strategy.add_argument
     add("--strategy", choices=STRATEGIES, default="collapsed", help="search strategy (collapsed)")

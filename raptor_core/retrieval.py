@@ -226,7 +226,11 @@ class TreeRetriever(ABC):
         k, max_tokens = self._resolve(query, k, max_tokens)
         if len(self.tree) == 0:
             return []
-        vector = self.embed_query(query) if embedding is None else normalize_query(embedding, self.tree.dim)
+        vector = (
+            self.embed_query(query)
+            if embedding is None
+            else normalize_query(embedding, self.tree.dim)
+        )
         hits = self._retrieve(query, vector, k=k, max_tokens=max_tokens)
         logger.debug("%s: %d hits for %r", type(self).__name__, len(hits), query[:80])
         return hits
@@ -321,7 +325,12 @@ class CollapsedTreeRetriever(TreeRetriever):
         tokens = self.tree.token_counts if pool is None else self.tree.token_counts[pool]
         carried = self.tree.carried_mask if pool is None else self.tree.carried_mask[pool]
         taken = rank_and_fill(
-            all_scores, tokens, k=k, max_tokens=max_tokens, min_score=self.min_score, exclude=carried
+            all_scores,
+            tokens,
+            k=k,
+            max_tokens=max_tokens,
+            min_score=self.min_score,
+            exclude=carried,
         )
         return [
             self._hit(int(local) if pool is None else int(pool[local]), float(all_scores[local]))

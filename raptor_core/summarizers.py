@@ -38,7 +38,11 @@ class ExtractiveSummarizer:
     """
 
     def __init__(
-        self, embedder: Embedder | None = None, *, tokenizer: Tokenizer | None = None, memo_size: int = 200_000
+        self,
+        embedder: Embedder | None = None,
+        *,
+        tokenizer: Tokenizer | None = None,
+        memo_size: int = 200_000,
     ) -> None:
         self.embedder = embedder
         self.tokenizer = tokenizer
@@ -113,7 +117,9 @@ class ExtractiveSummarizer:
         for sentences in per_cluster:
             block = vectors[offset : offset + len(sentences)]  # (n_sentences, d)
             offset += len(sentences)
-            costs = np.array([max(1, count_tokens(tokenizer, s)) for s in sentences], dtype=np.float64)
+            costs = np.array(
+                [max(1, count_tokens(tokenizer, s)) for s in sentences], dtype=np.float64
+            )
             chosen = _greedy_coverage(block, costs, float(max_tokens))
             if not chosen and sentences:
                 # Every sentence is longer than the budget: cut the most central one at a
@@ -135,10 +141,12 @@ class ExtractiveSummarizer:
 def _unit_rows(vectors: object, expected: int) -> NDArray[np.float32]:
     arr = np.asarray(vectors, dtype=np.float32)
     if arr.ndim != 2 or arr.shape[0] != expected or not np.all(np.isfinite(arr)):
-        msg = "the embedder returned the wrong number of vectors or NaN values for summary sentences"
+        msg = (
+            "the embedder returned the wrong number of vectors or NaN values for summary sentences"
+        )
         raise EmbeddingError(msg)
     norms = np.linalg.norm(arr, axis=1, keepdims=True)
-    return arr / np.where(norms == 0.0, 1.0, norms)
+    return (arr / np.where(norms == 0.0, 1.0, norms)).astype(np.float32)
 
 
 def _join_sentences(sentences: list[str]) -> str:
@@ -158,7 +166,9 @@ def _join_sentences(sentences: list[str]) -> str:
 _TERMINAL = frozenset(".!?…‽。！？｡\"'”’)]»")
 
 
-def _greedy_coverage(vectors: NDArray[np.float32], costs: NDArray[np.float64], budget: float) -> list[int]:
+def _greedy_coverage(
+    vectors: NDArray[np.float32], costs: NDArray[np.float64], budget: float
+) -> list[int]:
     """Budgeted greedy maximisation of facility-location coverage; returns chosen indices."""
     n = vectors.shape[0]
     sim = np.clip(vectors @ vectors.T, 0.0, 1.0)  # (n, n); negative similarity covers nothing
@@ -192,7 +202,9 @@ class LLMSummarizer:
         separator: joins the cluster's texts into the context.
     """
 
-    def __init__(self, llm: LLM, *, prompt: str = DEFAULT_SUMMARY_PROMPT, separator: str = "\n\n") -> None:
+    def __init__(
+        self, llm: LLM, *, prompt: str = DEFAULT_SUMMARY_PROMPT, separator: str = "\n\n"
+    ) -> None:
         self.llm = llm
         self.prompt = prompt
         self.separator = separator

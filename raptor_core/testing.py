@@ -54,7 +54,9 @@ class FakeEmbedder:
         norm = float(np.linalg.norm(vec))
         if norm == 0.0:
             # Texts without words still need a valid direction: hash the raw string.
-            seed = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=4).digest(), "little")
+            seed = int.from_bytes(
+                hashlib.blake2b(text.encode("utf-8"), digest_size=4).digest(), "little"
+            )
             vec = np.random.default_rng(seed).standard_normal(self.dim).astype(np.float32)
             norm = float(np.linalg.norm(vec))
         return vec / norm
@@ -178,10 +180,22 @@ def tiny_tree(dim: int = 64) -> Tree:
         for i, (d, t) in enumerate(texts)
     ]
     summaries = [
-        Node(id="L1.0", text="Cats and kittens purr, sleep and play.", layer=1, token_count=7,
-             children=("L0.0", "L0.1"), doc_ids=("d1",)),
-        Node(id="L1.1", text="Rockets launch satellites into orbit.", layer=1, token_count=5,
-             children=("L0.2", "L0.3"), doc_ids=("d2",)),
+        Node(
+            id="L1.0",
+            text="Cats and kittens purr, sleep and play.",
+            layer=1,
+            token_count=7,
+            children=("L0.0", "L0.1"),
+            doc_ids=("d1",),
+        ),
+        Node(
+            id="L1.1",
+            text="Rockets launch satellites into orbit.",
+            layer=1,
+            token_count=5,
+            children=("L0.2", "L0.3"),
+            doc_ids=("d2",),
+        ),
     ]
     nodes = (*leaves, *summaries)
     emb = FakeEmbedder(dim).embed_documents([n.text for n in nodes])

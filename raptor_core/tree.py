@@ -202,8 +202,12 @@ class Tree:
         object.__setattr__(self, "_layer_of", layer_of)
         object.__setattr__(self, "_tokens", tokens)
         carried = np.fromiter(
-            (len(n.children) == 1 and n.metadata.get("carried") is True and n.text == nodes[row[n.children[0]]].text
-             for n in nodes),
+            (
+                len(n.children) == 1
+                and n.metadata.get("carried") is True
+                and n.text == nodes[row[n.children[0]]].text
+                for n in nodes
+            ),
             dtype=np.bool_,
             count=len(nodes),
         )
@@ -452,7 +456,9 @@ class Tree:
         nodes = tuple(Node.from_dict(n) for n in body["nodes"])
         if not mmap:
             emb.flags.writeable = False
-        return cls(nodes=nodes, embeddings=emb, params=body["params"], build_info=body["build_info"])
+        return cls(
+            nodes=nodes, embeddings=emb, params=body["params"], build_info=body["build_info"]
+        )
 
 
 # -- helpers ---------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.base.llms.base import BaseLLM
@@ -340,8 +341,8 @@ class RaptorRetriever(BaseRetriever):
             return list(query_bundle.embedding)
         strs = query_bundle.custom_embedding_strs
         if strs and list(strs) != [query_bundle.query_str]:
-            vectors = [self._core.embedder.embed_query(s) for s in strs]
-            return [float(x) for x in sum(vectors) / len(vectors)]
+            vectors = np.stack([np.asarray(self._core.embedder.embed_query(s)) for s in strs])
+            return [float(x) for x in vectors.mean(axis=0)]
         return None
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:

@@ -119,7 +119,10 @@ class SentenceTransformerEmbedder:
     @property
     def dim(self) -> int:
         """Embedding dimension of the model."""
-        get = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        get = (
+            getattr(self.model, "get_embedding_dimension", None)
+            or self.model.get_sentence_embedding_dimension
+        )
         return int(get())
 
     def _encode(self, texts: list[str], prompt: str | None) -> NDArray[np.float32]:

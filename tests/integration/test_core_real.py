@@ -41,9 +41,13 @@ def test_every_summary_input_fits_the_limit(real_tree: Tree) -> None:
                 assert sum(c.token_count for c in real_tree.children(node.id)) <= limit
 
 
-def test_recursive_reclustering_keeps_summary_inputs_small(st_embedder, multi_topic_text: str) -> None:
+def test_recursive_reclustering_keeps_summary_inputs_small(
+    st_embedder, multi_topic_text: str
+) -> None:
     limit = 400
-    tree = TreeBuilder(st_embedder, cluster_max_tokens=limit, random_state=0, max_layers=2).build([multi_topic_text])
+    tree = TreeBuilder(st_embedder, cluster_max_tokens=limit, random_state=0, max_layers=2).build(
+        [multi_topic_text]
+    )
     assert tree.num_layers >= 2
     for node in tree.layer(1):
         assert sum(c.token_count for c in tree.children(node.id)) <= limit
@@ -54,8 +58,12 @@ def test_extractive_summaries_are_real_sentences(real_tree: Tree) -> None:
 
     for node in real_tree.layer(1):
         children = [c.text for c in real_tree.children(node.id)]
-        child_sentences = {" ".join(t[s:e].split()) for t in children for s, e in split_sentences(t)}
-        summary_sentences = [" ".join(node.text[s:e].split()) for s, e in split_sentences(node.text)]
+        child_sentences = {
+            " ".join(t[s:e].split()) for t in children for s, e in split_sentences(t)
+        }
+        summary_sentences = [
+            " ".join(node.text[s:e].split()) for s, e in split_sentences(node.text)
+        ]
         # Every sentence of an extractive summary is a whole sentence of its children...
         assert summary_sentences and all(s in child_sentences for s in summary_sentences)
         # ...and the summary is not simply the children's opening.
@@ -85,9 +93,13 @@ def test_save_load_round_trip_real(real_tree: Tree, tmp_path: Path, st_embedder)
 
 
 @pytest.mark.parametrize("budget", [100, 400, 2000])
-def test_collapsed_respects_budget_and_mixes_layers(real_tree: Tree, st_embedder, budget: int) -> None:
+def test_collapsed_respects_budget_and_mixes_layers(
+    real_tree: Tree, st_embedder, budget: int
+) -> None:
     retriever = CollapsedTreeRetriever(real_tree, st_embedder, k=50, max_tokens=budget)
-    hits = retriever.retrieve("What are the main topics: bees, printing, volcanoes, bread, the Moon, vaccines?")
+    hits = retriever.retrieve(
+        "What are the main topics: bees, printing, volcanoes, bread, the Moon, vaccines?"
+    )
     assert sum(h.node.token_count for h in hits) <= budget
     scores = [h.score for h in hits]
     assert scores == sorted(scores, reverse=True)
@@ -102,7 +114,11 @@ def test_collapsed_finds_the_right_topic(real_tree: Tree, st_embedder) -> None:
 
 
 def test_tiny_inputs_build_with_real_clustering(st_embedder) -> None:
-    for texts in (["One sentence only."], ["First doc.", "Second doc."], [f"Doc {i} about item {i}." for i in range(5)]):
+    for texts in (
+        ["One sentence only."],
+        ["First doc.", "Second doc."],
+        [f"Doc {i} about item {i}." for i in range(5)],
+    ):
         tree = TreeBuilder(st_embedder, random_state=0).build(texts)
         assert len(tree.leaves) == len(texts)
 
@@ -111,14 +127,27 @@ def test_tiny_inputs_build_with_real_clustering(st_embedder) -> None:
 def _raptor(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "raptor_core.cli", *args], capture_output=True, text=True, env=env, timeout=600, check=False
+        [sys.executable, "-m", "raptor_core.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
     )
 
 
 @pytest.fixture(scope="module")
 def cli_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cli") / "tree"
-    proc = _raptor("build", str(CORPUS), str(ROOT / "tests" / "data" / "multi_topic.md"), "--out", str(out), "--seed", "0")
+    proc = _raptor(
+        "build",
+        str(CORPUS),
+        str(ROOT / "tests" / "data" / "multi_topic.md"),
+        "--out",
+        str(out),
+        "--seed",
+        "0",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "documents" in proc.stdout and "chunks" in proc.stdout and "total" in proc.stdout
     return out
@@ -129,14 +158,27 @@ def test_cli_build_reads_all_file_kinds(cli_tree: Path) -> None:
     doc_ids = set(tree.doc_ids)
     assert any(d.endswith("bees.txt") for d in doc_ids)
     assert any(d.endswith("ocean.md") for d in doc_ids)
-    notes = [json.loads(line) for line in (CORPUS / "notes.jsonl").read_text().splitlines() if line.strip()]
+    notes = [
+        json.loads(line)
+        for line in (CORPUS / "notes.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     assert {n["doc_id"] for n in notes} <= doc_ids
     leaf = next(n for n in tree.leaves if n.doc_id == notes[0]["doc_id"])
     assert leaf.metadata["author"] == notes[0]["author"]
 
 
 def test_cli_query_json(cli_tree: Path) -> None:
-    proc = _raptor("query", str(cli_tree), "What causes ocean tides?", "--top-k", "4", "--max-tokens", "300", "--json")
+    proc = _raptor(
+        "query",
+        str(cli_tree),
+        "What causes ocean tides?",
+        "--top-k",
+        "4",
+        "--max-tokens",
+        "300",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     hits = json.loads(proc.stdout)
     assert 0 < len(hits) <= 4
@@ -160,7 +202,11 @@ def test_cli_query_text_and_inspect(cli_tree: Path) -> None:
     assert "layer" in proc.stdout
     proc = _raptor("inspect", str(cli_tree))
     assert proc.returncode == 0, proc.stderr
-    assert "compression" in proc.stdout and "build parameters" in proc.stdout and "random_state: 0" in proc.stdout
+    assert (
+        "compression" in proc.stdout
+        and "build parameters" in proc.stdout
+        and "random_state: 0" in proc.stdout
+    )
 
 
 def test_cli_errors_are_one_line(tmp_path: Path) -> None:

@@ -6,11 +6,11 @@ import json
 import re
 
 import pytest
+from openai_server import FakeOpenAIServer
 
 from raptor_core import HybridRetriever, LLMGuidedRetriever, Tree
 from raptor_core.backends.openai import OpenAIChatLLM
 from raptor_core.cli import main
-from openai_server import FakeOpenAIServer
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,11 @@ def scripted(prompt: str, max_tokens: int | None) -> str:
         return json.dumps({"enough": True, "reason": "the landing is covered"})
     ids = re.findall(r"\b(L\d+\.\d+)\b", prompt)
     chosen = [i for i in ids if i in MOON_IDS] or ids[:1]
-    return "```json\n" + json.dumps({"selected": [{"id": i, "reason": "mentions the Moon"} for i in chosen[:2]]}) + "\n```"
+    return (
+        "```json\n"
+        + json.dumps({"selected": [{"id": i, "reason": "mentions the Moon"} for i in chosen[:2]]})
+        + "\n```"
+    )
 
 
 MOON_IDS: set[str] = set()
@@ -50,11 +54,15 @@ def test_llm_guided_search_through_openai_client(moon_tree: Tree, st_embedder, m
         assert "When did Apollo 11 land on the Moon?" in first_prompt
 
 
-async def test_hybrid_search_through_openai_client(moon_tree: Tree, st_embedder, monkeypatch) -> None:
+async def test_hybrid_search_through_openai_client(
+    moon_tree: Tree, st_embedder, monkeypatch
+) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     with FakeOpenAIServer(completion=scripted) as server:
         llm = OpenAIChatLLM("fake-chat", base_url=server.url, timeout=5)
-        retriever = HybridRetriever(moon_tree, st_embedder, llm=llm, k=6, max_tokens=800, timeout=30)
+        retriever = HybridRetriever(
+            moon_tree, st_embedder, llm=llm, k=6, max_tokens=800, timeout=30
+        )
         result = await retriever.asearch("Who walked on the Moon in 1969?")
         assert result.hits
         assert result.stopped_early and result.stop_reason == "judge"
@@ -67,7 +75,9 @@ async def test_hybrid_search_through_openai_client(moon_tree: Tree, st_embedder,
         assert judge_prompts
 
 
-def test_cli_query_llm_strategy_through_server(moon_tree: Tree, tmp_path, monkeypatch, capsys) -> None:
+def test_cli_query_llm_strategy_through_server(
+    moon_tree: Tree, tmp_path, monkeypatch, capsys
+) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     moon_tree.save(tmp_path / "tree")
     with FakeOpenAIServer(completion=scripted) as server:

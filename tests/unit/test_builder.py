@@ -53,7 +53,9 @@ def make_builder(**kwargs: object) -> TreeBuilder:
 
 
 def test_builds_layers_with_children_and_doc_ids() -> None:
-    tree = make_builder().build([Document(text=t, doc_id=k, metadata={"topic": k}) for k, t in TOPICS.items()])
+    tree = make_builder().build(
+        [Document(text=t, doc_id=k, metadata={"topic": k}) for k, t in TOPICS.items()]
+    )
     assert tree.num_layers >= 2
     for leaf in tree.leaves:
         assert leaf.doc_id in TOPICS
@@ -71,7 +73,9 @@ def test_builds_layers_with_children_and_doc_ids() -> None:
     assert any(len(tree.parents(n.id)) > 1 for n in tree.leaves)
     info = tree.build_info
     assert info["documents"] == 3 and info["chunks"] == len(tree.leaves)
-    assert [x["nodes"] for x in info["layers"]] == [len(tree.layer(i)) for i in range(tree.num_layers)]
+    assert [x["nodes"] for x in info["layers"]] == [
+        len(tree.layer(i)) for i in range(tree.num_layers)
+    ]
     assert set(info["timings"]) == {"chunk", "embed", "cluster", "summarize"}
     assert info["stop_reason"]
 
@@ -93,7 +97,9 @@ class OneCluster:
 
 
 def test_single_cluster_layer_is_not_built() -> None:
-    tree = make_builder(clusterer=OneCluster(), cluster_max_tokens=10_000).build(list(TOPICS.values()))
+    tree = make_builder(clusterer=OneCluster(), cluster_max_tokens=10_000).build(
+        list(TOPICS.values())
+    )
     assert tree.num_layers == 1
     assert "single cluster" in tree.build_info["stop_reason"]
 
@@ -176,10 +182,13 @@ class WrongShapeEmbedder(FakeEmbedder):
 
 
 @pytest.mark.parametrize(
-    ("embedder", "message"), [(NaNEmbedder(), "NaN"), (ZeroEmbedder(), "all-zero"), (WrongShapeEmbedder(), "shape")]
+    ("embedder", "message"),
+    [(NaNEmbedder(), "NaN"), (ZeroEmbedder(), "all-zero"), (WrongShapeEmbedder(), "shape")],
 )
 def test_bad_embeddings_are_clear_errors(embedder: FakeEmbedder, message: str) -> None:
-    builder = TreeBuilder(embedder, EchoSummarizer(), tokenizer=WhitespaceTokenizer(), clusterer=PairClusterer())
+    builder = TreeBuilder(
+        embedder, EchoSummarizer(), tokenizer=WhitespaceTokenizer(), clusterer=PairClusterer()
+    )
     with pytest.raises(EmbeddingError, match=message):
         builder.build(list(TOPICS.values()))
 
@@ -206,7 +215,9 @@ def test_summariser_exception_is_wrapped_with_location() -> None:
 
 def test_typed_backend_errors_keep_their_type() -> None:
     builder = make_builder()
-    builder.summarizer = LLMSummarizer(ScriptedLLM(default=lambda p: (_ for _ in ()).throw(LLMAuthenticationError("bad key"))))
+    builder.summarizer = LLMSummarizer(
+        ScriptedLLM(default=lambda p: (_ for _ in ()).throw(LLMAuthenticationError("bad key")))
+    )
     with pytest.raises(LLMAuthenticationError, match="bad key"):
         builder.build(list(TOPICS.values()))
 
@@ -268,7 +279,9 @@ def test_extractive_invalid_budget() -> None:
 
 def test_llm_summariser_template_and_empty_answer() -> None:
     with pytest.raises(InvalidParameterError, match="context"):
-        LLMSummarizer(ScriptedLLM(default="x"), prompt="no placeholder").summarize(["a"], max_tokens=5)
+        LLMSummarizer(ScriptedLLM(default="x"), prompt="no placeholder").summarize(
+            ["a"], max_tokens=5
+        )
     summarizer = LLMSummarizer(ScriptedLLM(default=lambda p: p), prompt="Sum {x} up: {context}")
     assert summarizer.summarize(["a {b}"], max_tokens=5) == "Sum {x} up: a {b}"
     with pytest.raises(SummarizationError, match="empty"):
@@ -306,9 +319,13 @@ def test_single_member_clusters_are_carried_up_not_summarised() -> None:
     carried = layer1[2]
     (child,) = tree.children(carried.id)
     assert carried.text == child.text and carried.metadata == {"carried": True}
-    assert np.array_equal(tree.embeddings[tree.row(carried.id)], tree.embeddings[tree.row(child.id)])
+    assert np.array_equal(
+        tree.embeddings[tree.row(carried.id)], tree.embeddings[tree.row(child.id)]
+    )
     assert list(tree.carried_mask) == [False] * 7 + [True]
-    hits = CollapsedTreeRetriever(tree, FakeEmbedder(32), k=8, max_tokens=None).retrieve("bread rises")
+    hits = CollapsedTreeRetriever(tree, FakeEmbedder(32), k=8, max_tokens=None).retrieve(
+        "bread rises"
+    )
     assert [h.node.text for h in hits].count("Bread rises.") == 1
     assert carried.id not in {h.id for h in hits}
 
@@ -331,9 +348,13 @@ def test_extractive_memo_embeds_each_sentence_once() -> None:
     embedder = FakeEmbedder(32)
     summarizer = ExtractiveSummarizer(embedder, tokenizer=WhitespaceTokenizer())
     shared = "Cats purr softly."
-    first = summarizer.summarize_batch([[shared, "Dogs bark."], [shared, "Birds sing."]], max_tokens=20)
+    first = summarizer.summarize_batch(
+        [[shared, "Dogs bark."], [shared, "Birds sing."]], max_tokens=20
+    )
     assert embedder.texts_embedded == 3  # the shared sentence once
-    again = summarizer.summarize_batch([[shared, "Dogs bark."], [shared, "Birds sing."]], max_tokens=20)
+    again = summarizer.summarize_batch(
+        [[shared, "Dogs bark."], [shared, "Birds sing."]], max_tokens=20
+    )
     assert again == first and embedder.texts_embedded == 3
     other = FakeEmbedder(32)
     summarizer.embedder = other  # a different model must not reuse the old vectors

@@ -272,7 +272,9 @@ async def test_precomputed_query_embedding(tree: Tree, strategy: str) -> None:
     by_vector = retriever.retrieve("this text is not embedded", embedding=vector)
     assert embedder.queries == 0
     assert [h.id for h in by_vector] == [h.id for h in retriever.retrieve("rockets orbit")]
-    assert [h.id for h in await retriever.aretrieve("x", embedding=list(vector))] == [h.id for h in by_vector]
+    assert [h.id for h in await retriever.aretrieve("x", embedding=list(vector))] == [
+        h.id for h in by_vector
+    ]
     with pytest.raises(EmbeddingError, match="dimension"):
         retriever.retrieve("q", embedding=[1.0, 0.0])
     with pytest.raises(EmbeddingError, match="NaN"):

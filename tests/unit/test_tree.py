@@ -242,7 +242,9 @@ def test_crash_mid_save_keeps_previous_tree(tmp_path: Path) -> None:
     assert np.array_equal(loaded.embeddings, old.embeddings)
 
 
-def test_interrupt_during_write_leaves_no_temp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interrupt_during_write_leaves_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import raptor_core.tree as tree_module
 
     tiny_tree().save(tmp_path)
