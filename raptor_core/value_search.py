@@ -48,8 +48,9 @@ from raptor_core.types import Embedder, VectorIndex
 
 __all__ = ["INCLUDE", "NodeScores", "ValueBasedRetriever", "node_score"]
 
-#: Which nodes value-based search may return.
-INCLUDE = ("all", "summaries", "leaves")
+#: What value-based search returns: ranked nodes of any layer, only summaries, only leaves,
+#: or ``"evidence"``: the retrieved chunks of the best nodes, best node first.
+INCLUDE = ("all", "summaries", "leaves", "evidence")
 DEFAULT_CHUNK_K = 20
 
 
@@ -105,8 +106,11 @@ class ValueBasedRetriever(TreeRetriever):
         k: maximum number of hits.
         max_tokens: context budget over the returned nodes.
         chunk_k: leaf chunks retrieved by vector search in step 1.
-        include: return ``"all"`` nodes, only ``"summaries"`` (layers >= 1) or only
-            ``"leaves"``.
+        include: return ``"all"`` nodes, only ``"summaries"`` (layers >= 1), only
+            ``"leaves"``, or ``"evidence"``: nodes of every layer are ranked by NodeScore, and
+            each is then *read* by returning its retrieved chunks (best node first, each chunk
+            once), the way PageIndex picks sections and then reads their relevant passages.
+            Use it when the context must hold source text rather than summaries.
         min_score: ignore retrieved chunks whose cosine similarity is below this.
         index: a :class:`~raptor_core.types.VectorIndex` holding (at least) the tree's leaves
             by id; None = an exact numpy product over the leaf embeddings.
@@ -189,7 +193,7 @@ class ValueBasedRetriever(TreeRetriever):
         pair_chunk = np.repeat(np.arange(chunk_rows.shape[0], dtype=np.intp), lengths)
         # A carried node copies its only child: same chunks, same score, same text.
         keep = ~tree.carried_mask[node_rows]
-        if self.include != "all":
+        if self.include in ("summaries", "leaves"):
             is_leaf = tree.layer_of_rows[node_rows] == 0
             keep &= is_leaf if self.include == "leaves" else ~is_leaf
         node_rows, pair_chunk = node_rows[keep], pair_chunk[keep]
@@ -231,6 +235,8 @@ class ValueBasedRetriever(TreeRetriever):
         self, query: str, vector: NDArray[np.float32], *, k: int, max_tokens: int | None
     ) -> list[Hit]:
         ranking = self.score_nodes(vector)
+        if self.include == "evidence":
+            return self._evidence_hits(ranking, k=k, max_tokens=max_tokens)
         taken = fill_budget(
             range(ranking.rows.shape[0]),
             self.tree.token_counts[ranking.rows],
@@ -238,3 +244,35 @@ class ValueBasedRetriever(TreeRetriever):
             max_tokens=max_tokens,
         )
         return [self.hit(ranking, i) for i in taken]
+
+    def _evidence_hits(self, ranking: NodeScores, *, k: int, max_tokens: int | None) -> list[Hit]:
+        """The retrieved chunks of the best nodes, in node order, each chunk once."""
+        tree = self.tree
+        hits: list[Hit] = []
+        seen: set[int] = set()
+        used = 0
+        for position in range(ranking.rows.shape[0]):
+            node = tree.nodes[int(ranking.rows[position])]
+            score = float(ranking.scores[position])
+            for c in np.sort(ranking.pair_chunk[ranking.pair_node == position]):
+                row = int(ranking.chunk_rows[c])
+                cost = int(tree.token_counts[row])
+                if row in seen or (max_tokens is not None and used + cost > max_tokens):
+                    continue
+                seen.add(row)
+                used += cost
+                chunk = tree.nodes[row]
+                cosine = float(ranking.chunk_scores[c])
+                hits.append(
+                    Hit(
+                        node=chunk,
+                        score=score,
+                        source=self.source,
+                        path=(node.id, chunk.id) if node.id != chunk.id else (chunk.id,),
+                        reason=f"evidence of {node.id} (NodeScore {score:.3f})",
+                        evidence=((chunk.id, cosine),),
+                    )
+                )
+                if len(hits) >= k:
+                    return hits
+        return hits

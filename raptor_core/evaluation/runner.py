@@ -248,6 +248,11 @@ def _core_baselines() -> dict[str, RetrieverFactory]:
 #: Names of the baselines that ship with raptor_core.
 CORE_BASELINES: tuple[str, ...] = ("bm25", "dense")
 _NEEDS_LLM = ("llm", "hybrid")
+#: Named variants of RAPTOR strategies: name -> (strategy, parameters).
+RAPTOR_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Value-based search that returns the best nodes' evidence chunks, not the nodes.
+    "value-evidence": ("value", {"include": "evidence"}),
+}
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
@@ -263,7 +268,7 @@ def available_retrievers(*, llm: bool = False) -> list[str]:
     from raptor_core.strategies import STRATEGIES
 
     names = [s for s in STRATEGIES if llm or s not in _NEEDS_LLM]
-    return [*names, *CORE_BASELINES, *_entry_points()]
+    return [*names, *RAPTOR_VARIANTS, *CORE_BASELINES, *_entry_points()]
 
 
 def _load_dotted(path: str) -> RetrieverFactory:
@@ -311,6 +316,9 @@ def resolve_retrievers(
                 skipped[name] = "needs an LLM (pass llm=..., or --llm on the command line)"
                 continue
             specs.append(RetrieverSpec(name, RaptorStrategy(name), "raptor"))
+        elif name in RAPTOR_VARIANTS:
+            strategy, params = RAPTOR_VARIANTS[name]
+            specs.append(RetrieverSpec(name, RaptorStrategy(strategy, **params), "raptor"))
         elif name in core:
             specs.append(RetrieverSpec(name, core[name], "baseline"))
         elif name in eps:
@@ -325,7 +333,7 @@ def resolve_retrievers(
             label, _, path = name.rpartition("=")
             specs.append(RetrieverSpec(label or path, _load_dotted(path), "custom"))
         else:
-            known = [*STRATEGIES, *CORE_BASELINES, *eps]
+            known = [*STRATEGIES, *RAPTOR_VARIANTS, *CORE_BASELINES, *eps]
             hint = ""
             if name.startswith(("llamaindex", "langchain")):
                 hint = (

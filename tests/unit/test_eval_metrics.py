@@ -521,3 +521,12 @@ def test_llm_strategies_run_when_an_llm_is_configured() -> None:
     for row in result.rows:
         assert row["context_tokens"] <= row["budget"]
         assert 0.0 <= row["evidence_recall"] <= 1.0
+
+
+def test_value_evidence_variant_is_a_named_retriever() -> None:
+    from raptor_core.evaluation.runner import available_retrievers, resolve_retrievers
+
+    assert "value-evidence" in available_retrievers()
+    (spec,), skipped = resolve_retrievers(["value-evidence"])
+    assert spec.name == "value-evidence" and spec.family == "raptor" and not skipped
+    assert spec.factory.strategy == "value" and spec.factory.params == {"include": "evidence"}

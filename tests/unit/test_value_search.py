@@ -201,3 +201,36 @@ def test_validation(params: dict) -> None:
 async def test_aretrieve_inside_a_running_loop(tree: Tree) -> None:
     retriever = ValueBasedRetriever(tree, VectorEmbedder(_query(tree, 0)))
     assert [h.id for h in await retriever.aretrieve("q")] == [h.id for h in retriever.retrieve("q")]
+
+
+def test_include_evidence_reads_the_best_nodes_chunks() -> None:
+    from raptor_core import ValueBasedRetriever
+    from raptor_core.testing import FakeEmbedder, random_tree
+
+    tree = random_tree(60)
+    embedder = FakeEmbedder(tree.dim)
+    query = tree.leaves[5].text
+    nodes = ValueBasedRetriever(tree, embedder, k=50, max_tokens=None, chunk_k=10).retrieve(query)
+    hits = ValueBasedRetriever(
+        tree, embedder, k=50, max_tokens=None, chunk_k=10, include="evidence"
+    ).retrieve(query)
+    assert hits and all(h.layer == 0 for h in hits)
+    assert len({h.id for h in hits}) == len(hits)  # each chunk once
+    retrieved = {c for n in nodes for c, _ in n.evidence}
+    assert {h.id for h in hits} == retrieved  # exactly the retrieved chunks
+    # Best node first: the chunks of the top node come first, and scores never increase.
+    top_evidence = [c for c, _ in nodes[0].evidence]
+    assert [h.id for h in hits[: len(top_evidence)]] == top_evidence
+    assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+    assert hits[0].reason.startswith(f"evidence of {nodes[0].id}")
+    budget = sum(h.node.token_count for h in hits[:3])
+    capped = ValueBasedRetriever(
+        tree, embedder, k=50, max_tokens=budget, chunk_k=10, include="evidence"
+    ).retrieve(query)
+    assert sum(h.node.token_count for h in capped) <= budget
+    assert (
+        len(
+            ValueBasedRetriever(tree, embedder, k=2, chunk_k=10, include="evidence").retrieve(query)
+        )
+        == 2
+    )
