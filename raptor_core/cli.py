@@ -174,9 +174,10 @@ def _print_estimate(estimate: Any) -> None:
 
 def _print_usage(info: Any) -> None:
     rows = [(x["layer"], x.get("usage", {})) for x in info["layers"]]
-    if not any(usage for _, usage in rows):
-        return
     total = info.get("usage", {})
+    shown = ("calls", "cache_hits", "retries", "prompt_tokens", "completion_tokens")
+    if not any(counts.get(name, 0) for counts in total.values() for name in shown):
+        return  # local models only: there is nothing to pay for, so no cost table
     print(
         f"{'layer':>5} {'llm calls':>10} {'cached':>7} {'retries':>8} {'prompt tok':>11} "
         f"{'compl tok':>10} {'embed calls':>12} {'embed tok':>10}"
@@ -507,6 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``raptor`` command."""
     # The packaged model loads from disk; never let a missing network stall the CLI.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # transformers draws a "Loading weights" bar on every model load; the CLI has its own.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = _parser().parse_args(argv)
     try:
