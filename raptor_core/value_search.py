@@ -254,15 +254,14 @@ class ValueBasedRetriever(TreeRetriever):
         for position in range(ranking.rows.shape[0]):
             node = tree.nodes[int(ranking.rows[position])]
             score = float(ranking.scores[position])
-            for c in np.sort(ranking.pair_chunk[ranking.pair_node == position]):
-                row = int(ranking.chunk_rows[c])
+            for chunk_id, cosine in ranking.evidence(tree, position):
+                row = tree.row(chunk_id)
                 cost = int(tree.token_counts[row])
                 if row in seen or (max_tokens is not None and used + cost > max_tokens):
                     continue
                 seen.add(row)
                 used += cost
                 chunk = tree.nodes[row]
-                cosine = float(ranking.chunk_scores[c])
                 hits.append(
                     Hit(
                         node=chunk,
