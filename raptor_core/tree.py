@@ -349,11 +349,12 @@ class Tree:
         directory.mkdir(parents=True, exist_ok=True)
 
         emb = np.ascontiguousarray(self.embeddings, dtype=np.float32)
-        emb_sha = _sha256_array_file(emb)
+        emb_bytes = _npy_bytes(emb)  # serialised once: hashed, then written as is
+        emb_sha = hashlib.sha256(emb_bytes).hexdigest()
         emb_name = f"{_EMB_PREFIX}{emb_sha[:16]}.npy"
         emb_path = directory / emb_name
         if not (emb_path.exists() and _sha256_file(emb_path) == emb_sha):
-            _atomic_write(emb_path, lambda f: np.save(f, emb, allow_pickle=False))
+            _atomic_write(emb_path, lambda f: f.write(emb_bytes))
 
         body = {
             "params": _jsonable(self.params, "params"),
@@ -475,13 +476,13 @@ def _sha256_json(value: Any) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-def _sha256_array_file(arr: NDArray[np.float32]) -> str:
-    # Hash exactly the bytes np.save will write, so load can verify the file.
+def _npy_bytes(arr: NDArray[np.float32]) -> bytes:
+    """The exact ``.npy`` file content of ``arr`` (so its hash is the file's hash)."""
     import io
 
     buf = io.BytesIO()
     np.save(buf, arr, allow_pickle=False)
-    return hashlib.sha256(buf.getbuffer()).hexdigest()
+    return buf.getvalue()
 
 
 def _sha256_file(path: Path) -> str:
