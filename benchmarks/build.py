@@ -68,7 +68,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
-    from raptor_core.builder import TreeBuilder
+    from raptor_core.build.builder import TreeBuilder
     from raptor_core.tokenizers import count_tokens, default_tokenizer
 
     tokenizer = default_tokenizer()

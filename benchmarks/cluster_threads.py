@@ -69,7 +69,7 @@ def embed_texts(path: Path, n: int, words: int = 75) -> np.ndarray:
 def child(vectors_path: str, threads: int | None, repeats: int, seed: int) -> None:
     sys.path.insert(0, str(ROOT))
     from raptor_core._threads import limit_threads
-    from raptor_core.clustering import GMMClusterer
+    from raptor_core.build.clustering import GMMClusterer
 
     x = np.load(vectors_path)
     times: list[float] = []

@@ -13,13 +13,21 @@ settings), the same embedding model and, for the "same chunks" baselines, the RA
 own ~100-token leaves.  Trees are summarised with the offline extractive summariser unless
 an LLM is configured, so the summaries are sentences picked from the text, not abstractive.
 
+The headline compares the default strategy with the best flat baseline (the strongest of
+dense, BM25 and their reciprocal-rank fusion over the same leaves, and the LlamaIndex and
+LangChain default retrievers with their own chunking) per set and budget, on the
+development half of the documents, the held-out half, and all of them, with the average
+margin over the sets; quality.png plots recall against budget.
+
 Usage:
     python benchmarks/quality.py                      # a reduced run (about 15-20 min on 2 cores)
     python benchmarks/quality.py --limit-docs 0 --limit-questions 0    # everything
     python benchmarks/quality.py --sets qasper --limit-docs 3
+    python benchmarks/quality.py --data /path/to/shared/data          # data elsewhere
 
-Writes benchmarks/results/quality.md, quality.json and quality/<set>/{results.json,recall.png};
-trees are cached in benchmarks/results/cache, so a rerun only retrieves and scores.
+Writes benchmarks/results/quality.md, quality.json, quality.png and
+quality/<set>/{results.json,recall.png}; trees are cached in benchmarks/results/cache, so a
+rerun only retrieves and scores.
 """
 
 from __future__ import annotations
@@ -27,16 +35,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(
+    os.environ.get("RAPTOR_EVAL_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")
+)
 RESULTS = ROOT / "benchmarks" / "results"
 
 #: set -> (metrics shown, primary metric, default docs, default questions) for the reduced run.
@@ -78,11 +90,17 @@ def main() -> int:
     )
     parser.add_argument("--tree-per", choices=["doc", "all"], default="doc")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chunk-tokens", type=int, default=100, help="leaf chunk size")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument(
+        "--data", default=str(DATA), help="the evaluation sets (default: ../shared/data)"
+    )
+    parser.add_argument("--cache", default=None, help="tree cache directory (default: OUT/cache)")
     args = parser.parse_args()
 
-    if not DATA.is_dir():
-        print(f"quality benchmark: no data at {DATA}; nothing to do (see ../shared/data/README.md)")
+    data = Path(args.data)
+    if not data.is_dir():
+        print(f"quality benchmark: no data at {data}; nothing to do (see ../shared/data/README.md)")
         return 0
     from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
     from raptor_core.evaluation import evaluate, load_documents, load_questions, report, select
@@ -98,9 +116,10 @@ def main() -> int:
     embedder = SentenceTransformerEmbedder()
     started = time.perf_counter()
     results = {}
+    seconds: dict[str, float] = {}
     for name in sets:
         metrics, _primary, n_docs, n_questions = SETS[name]
-        docs_path, questions_path = DATA / f"{name}_docs.jsonl", DATA / f"{name}.jsonl"
+        docs_path, questions_path = data / f"{name}_docs.jsonl", data / f"{name}.jsonl"
         if not docs_path.is_file() or not questions_path.is_file():
             print(f"{name}: {docs_path.name} or {questions_path.name} missing, skipped")
             continue
@@ -122,60 +141,56 @@ def main() -> int:
             budgets=budgets,
             tree_per=args.tree_per,
             embedder=embedder,
-            cache_dir=out / "cache" / name,
+            cache_dir=(out / "cache" if args.cache is None else Path(args.cache)) / name,
             random_state=args.seed,
+            builder_params={"chunk_max_tokens": args.chunk_tokens},
         )
         report.print_table(result)
         report.write_json(result, out / "quality" / name / "results.json")
         report.plot_recall(result, out / "quality" / name / "recall.png", title=name)
-        print(f"{name}: {time.perf_counter() - t0:.0f}s", flush=True)
+        seconds[name] = time.perf_counter() - t0
+        print(f"{name}: {seconds[name]:.0f}s", flush=True)
         results[name] = result
 
     env = environment()
+    elapsed = time.perf_counter() - started
     trees = sum(r.config["trees"] for r in results.values())
     cached = sum(r.config["cached"] for r in results.values())
+    from raptor_core.retrieval.registry import DEFAULT_STRATEGY
+
+    default = DEFAULT_STRATEGY
+    halves = {name: _halves(res) for name, res in results.items()}
+    command = " ".join(["python", "benchmarks/quality.py", *sys.argv[1:]])
     lines = [
         "# Retrieval quality at equal token budgets",
         "",
-        f"Generated by `python benchmarks/quality.py` on {datetime.now(timezone.utc):%Y-%m-%d} "
-        f"in {time.perf_counter() - started:.0f} s ({cached} of {trees} trees loaded from "
-        "benchmarks/results/cache; the 'Index build' lines give their original build times).",
+        f"Generated by `{command}` on {datetime.now(timezone.utc):%Y-%m-%d} at commit "
+        f"`{_commit()}` in {elapsed:.0f} s ({cached} of {trees} trees loaded from the tree "
+        "cache; the 'Index build' lines give their original build times). Seconds per set: "
+        + ", ".join(f"{name} {seconds[name]:.0f}" for name in results)
+        + ".",
         "",
         f"- Hardware: {env['cpu']}, {env['cpus']} CPU cores available, no GPU; {env['platform']}.",
         f"- Embedding model (every retriever): all-MiniLM-L6-v2 (sentence-transformers "
         f"{env['versions'].get('sentence-transformers', '?')}, "
         f"torch {env['versions'].get('torch', '?')}).",
         "- Summaries: the offline extractive summariser (no LLM). Budgets and chunk sizes in "
-        "tiktoken cl100k_base tokens; leaves are ~100-token chunks (the paper's setting).",
+        f"tiktoken cl100k_base tokens; leaves are ~{args.chunk_tokens}-token chunks.",
         f"- Seed (`random_state` of UMAP/GMM): {args.seed}. One tree per document; each question "
         "searches its own document.",
-        "- `dense`, `llamaindex-vector` and `langchain-inmemory` rank the RAPTOR tree's own leaves "
-        "with the same model (they should agree: a sanity check); `*-default-chunking` use the "
-        "framework's default splitter (LlamaIndex `SentenceSplitter()`: 1,024 tokens; LangChain "
-        "`RecursiveCharacterTextSplitter()`: 4,000 characters). Ranked lists are cut at the "
-        "budget.",
+        f"- Default strategy: `{default}`. Best flat baseline = the strongest, per set and "
+        "budget, of `dense`, `bm25` and `fusion` (reciprocal-rank fusion of the two, k = 60) over "
+        "the tree's own leaves and the LlamaIndex / LangChain default retrievers with their own "
+        "default chunking (`SentenceSplitter()`: 1,024 tokens; `RecursiveCharacterTextSplitter()`: "
+        "4,000 characters). Ranked lists are cut at the budget.",
+        "- Development and held-out halves: documents split by a hash of their id "
+        "(`raptor_core.evaluation.data.holdout_split`). Parameters were chosen on the "
+        "development half only.",
         "",
     ]
     if results:
-        lines += ["## Headline: primary metric at 400 and 2,000 tokens", ""]
-        header = ["retriever"]
-        for name in results:
-            label = report.LABELS[SETS[name][1]]
-            header += [f"{name} {label} @{min(budgets)}", f"@{max(budgets)}"]
-        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        names = list(dict.fromkeys(r for res in results.values() for r in res.retrievers))
-        for retriever in names:
-            cells = [retriever]
-            for name, res in results.items():
-                primary = SETS[name][1]
-                for budget in (min(budgets), max(budgets)):
-                    try:
-                        value = res.score(retriever, budget, primary)
-                    except KeyError:
-                        value = None
-                    cells.append("-" if value is None else f"{value:.3f}")
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += _headline(results, halves, budgets, default)
+        lines += ["![recall against budget](quality.png)", ""]
     for name, res in results.items():
         metrics = SETS[name][0]
         cfg = res.config
@@ -201,18 +216,164 @@ def main() -> int:
             lines += ["Skipped: " + "; ".join(f"{k} ({v})" for k, v in res.skipped.items()), ""]
     out.mkdir(parents=True, exist_ok=True)
     (out / "quality.md").write_text("\n".join(lines), encoding="utf-8")
+    if results:
+        _plot(results, budgets, default, out / "quality.png")
     summary = {
         "environment": env,
+        "command": command,
+        "commit": _commit(),
         "seed": args.seed,
         "budgets": budgets,
+        "seconds": {"total": elapsed, **seconds},
+        "default": default,
+        "margins": {
+            name: {
+                half: {str(b): _cell(res_half, SETS[name][1], b, default) for b in budgets}
+                for half, res_half in halves[name].items()
+            }
+            for name in results
+        },
         "sets": {
             name: {k: v for k, v in res.to_dict().items() if k != "rows"}
             for name, res in results.items()
         },
     }
     (out / "quality.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
-    print(f"wrote {out / 'quality.md'} and {out / 'quality.json'}")
+    print(f"wrote {out / 'quality.md'}, {out / 'quality.json'} and {out / 'quality.png'}")
     return 0
+
+
+def _commit() -> str:
+    """The checked-out commit, with ``+dirty`` when the tree has uncommitted changes."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short=10", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def _halves(result: Any) -> dict[str, Any]:
+    """The run restricted to the development half, the held-out half, and all documents."""
+    from raptor_core.evaluation.data import holdout_split
+
+    doc_ids = {row["doc_id"] for row in result.rows}
+    out = {}
+    for half in ("dev", "held-out"):
+        chosen = {d for d in doc_ids if holdout_split(d) == half}
+        if chosen:
+            out[half] = result.restrict(chosen)
+    out["all"] = result
+    return out
+
+
+def _cell(result: Any, metric: str, budget: int, default: str) -> dict[str, Any]:
+    """The default strategy's score, the best flat baseline and the margin for one cell."""
+    from raptor_core.evaluation import report
+
+    best = report.best_flat(result, budget, metric)
+    value = result.score(default, budget, metric) if default in result.retrievers else None
+    return {
+        "default": value,
+        "best_flat": None if best is None else best[1],
+        "best_flat_name": None if best is None else best[0],
+        "margin": None if best is None or value is None else value - best[1],
+        "questions": result.config.get("questions"),
+    }
+
+
+def _headline(
+    results: dict[str, Any], halves: dict[str, Any], budgets: list[int], default: str
+) -> list[str]:
+    """Markdown: the default strategy against the best flat baseline, per set, budget, half."""
+    lines = [
+        f"## Headline: `{default}` (the default) against the best flat baseline",
+        "",
+        "Primary metric of each set; margin = default minus best flat baseline, in points "
+        "(hundredths of recall). The average is over the sets.",
+        "",
+    ]
+    for half in ("dev", "held-out", "all"):
+        header = ["set (questions)"]
+        for b in budgets:
+            header += [f"default @{b}", f"best flat @{b}", "margin"]
+        lines += [f"**{half}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        margins: dict[int, list[float]] = {b: [] for b in budgets}
+        for name in results:
+            res = halves[name].get(half)
+            if res is None:
+                continue
+            metric = SETS[name][1]
+            cells = [f"{name} {report_label(metric)} ({res.config.get('questions')})"]
+            for b in budgets:
+                cell = _cell(res, metric, b, default)
+                if cell["margin"] is not None:
+                    margins[b].append(cell["margin"])
+                cells += [
+                    _fmt(cell["default"]),
+                    f"{_fmt(cell['best_flat'])} ({cell['best_flat_name']})",
+                    "-" if cell["margin"] is None else f"{cell['margin'] * 100:+.1f}",
+                ]
+            lines.append("| " + " | ".join(cells) + " |")
+        avg = ["**average margin**"]
+        for b in budgets:
+            values = margins[b]
+            avg += ["", "", f"**{sum(values) / len(values) * 100:+.1f}**" if values else "-"]
+        lines += ["| " + " | ".join(avg) + " |", ""]
+    return lines
+
+
+def report_label(metric: str) -> str:
+    from raptor_core.evaluation import report
+
+    return report.LABELS.get(metric, metric)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _plot(results: dict[str, Any], budgets: list[int], default: str, path: Path) -> None:
+    """Recall against budget on each set's primary metric: the default, collapsed, flat baselines."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from raptor_core.evaluation.runner import FLAT_BASELINES
+
+    shown = [default, "collapsed", *FLAT_BASELINES]
+    fig = Figure(figsize=(4.2 * len(results), 4.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(results), squeeze=False)[0]
+    for ax, (name, res) in zip(axes, results.items(), strict=True):
+        metric = SETS[name][1]
+        for retriever in (r for r in shown if r in res.retrievers):
+            ys = [res.score(retriever, b, metric) for b in budgets]
+            style = "-o" if retriever == default else "--" if retriever == "collapsed" else ":"
+            ax.plot(
+                budgets, ys, style, label=retriever, linewidth=2 if retriever == default else 1.2
+            )
+        ax.set_title(f"{name} ({report_label(metric)})")
+        ax.set_xlabel("context budget (tokens)")
+        ax.set_xticks(budgets)
+        ax.set_ylim(0.0, 1.02)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("recall")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right center", fontsize="small")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Measures the search itself: query vectors are precomputed (an embedder that look
 costs microseconds) and the LLM strategies get an instant scripted LLM, so what is left
 is the library's own work (vector math, walking the tree, building prompts, parsing
 answers, the asyncio plumbing).  Each strategy is timed over the same queries after a
-warm-up query (the first query of a tree builds its cached structure arrays; that one-off
+warm-up query (the first query of a tree wraps it in its in-memory node store; that one-off
 cost is printed separately), and the median is reported as milliseconds and as a ratio
 of the baseline measured in the same run: a plain numpy brute force over all nodes
 (``argsort(-(E @ q))[:k]``).  The machines are shared and noisy, so ratios within one run
@@ -48,7 +48,7 @@ from raptor_core import (
     TreeTraversalRetriever,
     ValueBasedRetriever,
 )
-from raptor_core._structure import structure
+from raptor_core.retrieval.base import as_store
 from raptor_core.testing import ScriptedLLM
 
 K = 10
@@ -151,11 +151,11 @@ def run_all(args: argparse.Namespace) -> None:
         queries = [f"q{i}" for i in range(len(vectors))]
         embedder = LookupEmbedder(dict(zip(queries, vectors, strict=True)))
         start = time.perf_counter()
-        cached = structure(tree)
+        cached = as_store(tree)
         _ = cached.children, cached.membership  # the one-off per-tree cost, outside timings
         setup[len(tree)] = {"generate_s": built, "structure_s": time.perf_counter() - start}
         print(
-            f"# {tree!r}: generated in {built:.1f} s, structure arrays built in "
+            f"# {tree!r}: generated in {built:.1f} s, node store built in "
             f"{setup[len(tree)]['structure_s'] * 1000:.0f} ms (once per tree)"
         )
         for name, run in strategies(tree, embedder).items():

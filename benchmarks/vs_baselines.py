@@ -110,7 +110,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
-    from raptor_core.builder import TreeBuilder
+    from raptor_core.build.builder import TreeBuilder
     from raptor_core.evaluation.runner import environment
     from raptor_core.retrieval import CollapsedTreeRetriever
 

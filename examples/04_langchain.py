@@ -88,7 +88,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         retriever.save(Path(tmp) / "essays-tree")
-        # The packaged model is recorded in the tree, so loading needs no arguments.
+        # The tree records the packaged model, one of the few a load re-creates by itself
+        # (a local sentence-transformers model by name), so loading needs no arguments.
+        # Any other model (OpenAI, a LangChain Embeddings) is passed again: embeddings=...
         retriever = RaptorRetriever.from_tree(Path(tmp) / "essays-tree", k=4)
 
     # 2. An LCEL chain: exactly where vectorstore.as_retriever() would go.

@@ -13,30 +13,37 @@ from raptor_core._version import __version__
 from raptor_core.backends.faiss_index import FaissIndex
 from raptor_core.backends.numpy_index import NumpyIndex
 from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
-from raptor_core.builder import TreeBuilder
-from raptor_core.chunking import SentenceChunker
-from raptor_core.clustering import GMMClusterer
+from raptor_core.build.builder import TreeBuilder
+from raptor_core.build.chunking import SentenceChunker
+from raptor_core.build.clustering import GMMClusterer
+from raptor_core.build.summarizers import ExtractiveSummarizer, LLMSummarizer
 from raptor_core.exceptions import (
     BackendError,
+    CacheError,
     EmbeddingError,
+    EmbeddingResponseError,
     InvalidInputError,
     InvalidParameterError,
     LLMAuthenticationError,
     LLMError,
     LLMRequestError,
+    LLMResponseError,
     LLMTimeoutError,
     MissingDependencyError,
     RaptorError,
     SummarizationError,
     TreeFormatError,
+    TreeLockError,
 )
-from raptor_core.hybrid import HybridResult, HybridRetriever, JudgeDecision
-from raptor_core.llm_search import LLMGuidedRetriever
-from raptor_core.retrieval import CollapsedTreeRetriever, Hit, TreeRetriever
-from raptor_core.strategies import STRATEGIES, make_retriever
-from raptor_core.summarizers import ExtractiveSummarizer, LLMSummarizer
+from raptor_core.retrieval import CollapsedTreeRetriever, Hit, MMRRetriever, TreeRetriever
+from raptor_core.retrieval.hybrid import HybridResult, HybridRetriever, JudgeDecision
+from raptor_core.retrieval.llm import LLMGuidedRetriever
+from raptor_core.retrieval.passage import PassageRetriever
+from raptor_core.retrieval.registry import DEFAULT_STRATEGY, STRATEGIES, make_retriever
+from raptor_core.retrieval.traversal import TreeTraversalRetriever
+from raptor_core.retrieval.value import ValueBasedRetriever
+from raptor_core.store.memory import InMemoryNodeStore
 from raptor_core.tokenizers import RegexTokenizer, TiktokenTokenizer
-from raptor_core.traversal import TreeTraversalRetriever
 from raptor_core.tree import Node, Tree
 from raptor_core.types import (
     DEFAULT_SUMMARY_PROMPT,
@@ -49,16 +56,19 @@ from raptor_core.types import (
     Clusterer,
     Document,
     Embedder,
+    Match,
+    NodeFilter,
+    NodeStore,
     Summarizer,
     Tokenizer,
     VectorIndex,
 )
-from raptor_core.value_search import ValueBasedRetriever
 
 # Library code never configures logging; applications do (txtai, httpx convention).
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
+    "DEFAULT_STRATEGY",
     "DEFAULT_SUMMARY_PROMPT",
     "LLM",
     "STRATEGIES",
@@ -66,6 +76,7 @@ __all__ = [
     "AsyncLLM",
     "AsyncSummarizer",
     "BackendError",
+    "CacheError",
     "Chunk",
     "Chunker",
     "Clusterer",
@@ -73,12 +84,14 @@ __all__ = [
     "Document",
     "Embedder",
     "EmbeddingError",
+    "EmbeddingResponseError",
     "ExtractiveSummarizer",
     "FaissIndex",
     "GMMClusterer",
     "Hit",
     "HybridResult",
     "HybridRetriever",
+    "InMemoryNodeStore",
     "InvalidInputError",
     "InvalidParameterError",
     "JudgeDecision",
@@ -86,11 +99,17 @@ __all__ = [
     "LLMError",
     "LLMGuidedRetriever",
     "LLMRequestError",
+    "LLMResponseError",
     "LLMSummarizer",
     "LLMTimeoutError",
+    "MMRRetriever",
+    "Match",
     "MissingDependencyError",
     "Node",
+    "NodeFilter",
+    "NodeStore",
     "NumpyIndex",
+    "PassageRetriever",
     "RaptorError",
     "RegexTokenizer",
     "SentenceChunker",
@@ -102,6 +121,7 @@ __all__ = [
     "Tree",
     "TreeBuilder",
     "TreeFormatError",
+    "TreeLockError",
     "TreeRetriever",
     "TreeTraversalRetriever",
     "ValueBasedRetriever",

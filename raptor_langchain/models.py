@@ -6,25 +6,33 @@
   :class:`~raptor_core.types.LLM` (and ``AsyncLLM``), for summaries and LLM-guided search.
 * :class:`RaptorEmbeddings` goes the other way: any core ``Embedder`` (for example the
   packaged local model) as a LangChain ``Embeddings``, so a vector store can share it.
+* :func:`traced_llm` makes an LLM's calls visible to LangChain callbacks (tracing): a
+  LangChain model is invoked with the callbacks, any other core ``LLM`` is reported as an
+  LLM run around each call.
 
 They translate types and errors only; no RAPTOR logic lives here.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from langchain_core.callbacks import BaseCallbackManager
 from langchain_core.embeddings import Embeddings
 from langchain_core.messages import BaseMessage
-from langchain_core.runnables import Runnable
+from langchain_core.outputs import Generation, LLMResult
+from langchain_core.runnables import Runnable, RunnableConfig
 from numpy.typing import NDArray
 
+from raptor_core._async import run_sync
 from raptor_core.exceptions import EmbeddingError, LLMError, RaptorError
-from raptor_core.types import AsyncEmbedder, Embedder
+from raptor_core.types import LLM, AsyncEmbedder, AsyncLLM, Embedder
 
-__all__ = ["LangChainEmbedder", "LangChainLLM", "RaptorEmbeddings"]
+__all__ = ["LangChainEmbedder", "LangChainLLM", "RaptorEmbeddings", "TracedLLM", "traced_llm"]
 
 
 def _model_name(model: object) -> str | None:
@@ -147,6 +155,7 @@ class LangChainLLM:
             caller asks for is forwarded under it; when None (default), it is not forwarded
             and the cap configured on the model applies, because models disagree on the
             name and some reject unknown keywords.
+        config: the ``RunnableConfig`` every call is made with (callbacks, tags, ...).
 
     Examples:
         >>> from langchain_core.language_models.fake_chat_models import FakeListChatModel
@@ -154,9 +163,24 @@ class LangChainLLM:
         'A summary.'
     """
 
-    def __init__(self, model: Runnable[Any, Any], *, max_tokens_kwarg: str | None = None) -> None:
+    def __init__(
+        self,
+        model: Runnable[Any, Any],
+        *,
+        max_tokens_kwarg: str | None = None,
+        config: RunnableConfig | None = None,
+    ) -> None:
         self.model = model
         self.max_tokens_kwarg = max_tokens_kwarg
+        self.config = config
+
+    def with_config(self, config: RunnableConfig | None) -> LangChainLLM:
+        """The same model, invoked with ``config`` (callbacks, tags, metadata).
+
+        :class:`~raptor_langchain.RaptorRetriever` binds each search's child callbacks this
+        way, so the model's calls show up as child runs of the retriever run.
+        """
+        return LangChainLLM(self.model, max_tokens_kwarg=self.max_tokens_kwarg, config=config)
 
     def __repr__(self) -> str:
         return f"LangChainLLM({type(self.model).__name__})"
@@ -186,7 +210,7 @@ class LangChainLLM:
     def complete(self, prompt: str, *, max_tokens: int | None = None) -> str:
         """Send ``prompt`` and return the answer's text."""
         try:
-            answer = self.model.invoke(prompt, **self._kwargs(max_tokens))
+            answer = self.model.invoke(prompt, self.config, **self._kwargs(max_tokens))
         except RaptorError:
             raise
         except Exception as exc:
@@ -196,7 +220,7 @@ class LangChainLLM:
     async def acomplete(self, prompt: str, *, max_tokens: int | None = None) -> str:
         """Async :meth:`complete` (native when the model is)."""
         try:
-            answer = await self.model.ainvoke(prompt, **self._kwargs(max_tokens))
+            answer = await self.model.ainvoke(prompt, self.config, **self._kwargs(max_tokens))
         except RaptorError:
             raise
         except Exception as exc:
@@ -252,3 +276,90 @@ class RaptorEmbeddings(Embeddings):
             vector = await self.embedder.aembed_query(text)
             return _tolist(vector)
         return await super().aembed_query(text)
+
+
+async def _settle(value: Any) -> Any:
+    """Await ``value`` when a callback manager's method returned a coroutine (async managers)."""
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+class TracedLLM:
+    """A core ``LLM`` whose every call is reported to LangChain callbacks as an LLM run.
+
+    For models that are not LangChain runnables (an ``OpenAILLM`` of the core, your own
+    ``LLM``): tracers such as LangSmith then show each prompt and answer as a child run of
+    the run that owns ``callbacks``.
+
+    Args:
+        llm: the core LLM.
+        callbacks: a LangChain callback manager, typically ``run_manager.get_child()`` of
+            the retriever run.
+    """
+
+    def __init__(self, llm: LLM, callbacks: BaseCallbackManager) -> None:
+        self.llm = llm
+        self.callbacks = callbacks
+
+    def __repr__(self) -> str:
+        return f"TracedLLM({self.llm!r})"
+
+    @property
+    def name(self) -> str:
+        """The run name: the wrapped model's class."""
+        return type(self.llm).__name__
+
+    def get_params(self) -> dict[str, Any]:
+        """The wrapped model's parameters, where it reports them."""
+        params = getattr(self.llm, "get_params", None)
+        return dict(params()) if callable(params) else {"class": self.name}
+
+    async def acomplete(self, prompt: str, *, max_tokens: int | None = None) -> str:
+        """Report an LLM run, call the model (natively async when it is), end the run."""
+        # A CallbackManager (sync retrieval) answers at once, an AsyncCallbackManager with
+        # a coroutine; the run managers they return differ the same way.
+        manager: Any = self.callbacks
+        runs = await _settle(
+            manager.on_llm_start(
+                {"name": self.name},
+                [prompt],
+                name=self.name,
+                invocation_params={"max_tokens": max_tokens},
+            )
+        )
+        run = runs[0]
+        try:
+            if isinstance(self.llm, AsyncLLM):
+                answer = await self.llm.acomplete(prompt, max_tokens=max_tokens)
+            else:
+                answer = await asyncio.to_thread(self.llm.complete, prompt, max_tokens=max_tokens)
+        except BaseException as exc:
+            await _settle(run.on_llm_error(exc))
+            raise
+        await _settle(run.on_llm_end(LLMResult(generations=[[Generation(text=str(answer))]])))
+        return answer
+
+    def complete(self, prompt: str, *, max_tokens: int | None = None) -> str:
+        """Synchronous :meth:`acomplete` (on a private event loop)."""
+        return run_sync(lambda: self.acomplete(prompt, max_tokens=max_tokens))
+
+
+def traced_llm(llm: Runnable[Any, Any] | LLM, callbacks: BaseCallbackManager | None) -> LLM:
+    """``llm`` as a core ``LLM`` whose calls are child runs of ``callbacks``' run.
+
+    A LangChain runnable (or a :class:`LangChainLLM` over one) is invoked with
+    ``config={"callbacks": callbacks}``, so its own runs (chat model, token usage) nest
+    under the caller's; any other core ``LLM`` is wrapped in :class:`TracedLLM`.
+
+    Args:
+        llm: a LangChain chat model, LLM or runnable, or a core ``LLM``.
+        callbacks: the callback manager of the calling run's children; None: no tracing.
+    """
+    if isinstance(llm, Runnable):
+        llm = LangChainLLM(llm)
+    if callbacks is None:
+        return llm
+    if isinstance(llm, LangChainLLM):
+        return llm.with_config({**(llm.config or {}), "callbacks": callbacks})
+    return TracedLLM(llm, callbacks)

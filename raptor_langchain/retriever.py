@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,16 +14,31 @@ from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable
-from pydantic import Field, InstanceOf, PrivateAttr, field_validator
+from langchain_core.runnables.config import run_in_executor
+from langchain_core.vectorstores import VectorStore
+from pydantic import Field, InstanceOf, PrivateAttr, field_validator, model_validator
 
-from raptor_core.builder import TreeBuilder
+from raptor_core.build.builder import TreeBuilder
+from raptor_core.components import check_embedder, embedder_for_tree
 from raptor_core.exceptions import InvalidParameterError
 from raptor_core.retrieval import Hit, TreeRetriever
-from raptor_core.strategies import STRATEGIES, make_retriever
+from raptor_core.retrieval.registry import (
+    DEFAULT_STRATEGY,
+    STRATEGIES,
+    accepted_params,
+    make_retriever,
+)
 from raptor_core.tree import Tree
-from raptor_core.types import LLM, Embedder
+from raptor_core.types import LLM, Embedder, NodeStore
 from raptor_core.types import Document as CoreDocument
-from raptor_langchain.models import LangChainEmbedder, LangChainLLM, RaptorEmbeddings
+from raptor_langchain.dialects import StoreDialect
+from raptor_langchain.models import (
+    LangChainEmbedder,
+    LangChainLLM,
+    RaptorEmbeddings,
+    traced_llm,
+)
+from raptor_langchain.store import MANIFEST_ID, LangChainNodeStore
 
 if TYPE_CHECKING:
     from langchain_core.callbacks import (
@@ -29,12 +46,45 @@ if TYPE_CHECKING:
         CallbackManagerForRetrieverRun,
     )
 
-__all__ = ["RaptorRetriever", "hit_to_document"]
+__all__ = ["SEARCH_TYPES", "RaptorRetriever", "hit_to_document"]
 
 logger = logging.getLogger(__name__)
 
 #: Per-call keywords LangChain itself may forward to ``_get_relevant_documents``.
 _RUNTIME_KWARGS = frozenset({"verbose"})
+#: ``search_type`` values of ``VectorStore.as_retriever``, as RAPTOR runs them: similarity
+#: is the retriever's ``strategy`` (collapsed tree by default), mmr the core MMR strategy,
+#: and similarity_score_threshold the strategy with hits below ``score_threshold`` dropped.
+SEARCH_TYPES = ("similarity", "mmr", "similarity_score_threshold")
+#: ``search_kwargs`` keys of ``VectorStore.as_retriever`` that are not strategy parameters.
+_LANGCHAIN_KEYS = frozenset({"filter", "score_threshold"})
+_NEEDS_LLM = frozenset({"llm", "hybrid"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """One search, resolved: strategy, its parameters, and what is applied after it."""
+
+    strategy: str
+    params: dict[str, Any]
+    k: int
+    max_tokens: int | None
+    score_threshold: float | None
+
+
+def _check_threshold(value: object) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not 0.0 <= float(value) <= 1.0
+    ):
+        msg = (
+            "search_type='similarity_score_threshold' needs search_kwargs['score_threshold'], "
+            f"a number in [0, 1] compared with each document's score; got {value!r}"
+        )
+        raise InvalidParameterError(msg)
+    return float(value)
 
 
 def hit_to_document(hit: Hit) -> Document:
@@ -53,7 +103,8 @@ def hit_to_document(hit: Hit) -> Document:
     ``raptor_strategy``  the strategy that selected the node
     ``raptor_path``      ids of the selected nodes leading to this one
     ``raptor_reason``    why an LLM-guided search chose it (only when given)
-    ``raptor_evidence``  ``[chunk id, score]`` pairs behind a value-based score (only when given)
+    ``raptor_evidence``  ``[chunk id, score]`` pairs behind the score (only when given)
+    ``raptor_leaves``    the leaf ids a ``"passage"`` hit joins (only for joined passages)
     """
     node = hit.node
     metadata: dict[str, Any] = dict(node.metadata)
@@ -71,6 +122,8 @@ def hit_to_document(hit: Hit) -> Document:
         metadata["raptor_reason"] = hit.reason
     if hit.evidence:
         metadata["raptor_evidence"] = [[chunk, score] for chunk, score in hit.evidence]
+    if hit.leaves:
+        metadata["raptor_leaves"] = list(hit.leaves)
     return Document(page_content=node.text, metadata=metadata, id=node.id)
 
 
@@ -89,10 +142,6 @@ def _core_llm(llm: Runnable[Any, Any] | LLM) -> LLM:
     return llm
 
 
-def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return all(x is y for x, y in zip(a[:3], b[:3], strict=True)) and a[3:] == b[3:]
-
-
 def _default_embedder() -> Embedder:
     from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
 
@@ -105,7 +154,8 @@ class RaptorRetriever(BaseRetriever):
     Leaves are chunks of your documents; each layer above holds summaries of clusters of
     the layer below (RAPTOR, Sarthi et al., ICLR 2024).  A question about one detail
     matches a leaf; a question about a theme matches a summary.  Drop it in wherever a
-    ``vectorstore.as_retriever()`` goes.
+    ``vectorstore.as_retriever()`` goes.  The tree lives in memory (``tree``) or in your
+    own LangChain vector store (``vectorstore``: Chroma, ``InMemoryVectorStore``, ...).
 
     Setup:
         Install ``raptor-retriever`` with the LangChain extra.  The default embedding
@@ -116,32 +166,47 @@ class RaptorRetriever(BaseRetriever):
         ```
 
     Key init args:
-        tree: raptor_core.Tree
-            The tree to search (see the ``from_documents`` / ``from_tree`` constructors).
+        tree: raptor_core.Tree | None
+            An in-memory tree to search (see ``from_documents`` / ``from_tree``).
+        vectorstore: VectorStore | None
+            A LangChain vector store holding the tree (see ``from_documents(...,
+            vectorstore=...)`` / ``from_vectorstore``); exactly one of the two.
         embeddings: Embeddings | raptor_core.Embedder | None
-            Embeds queries; must be the model the tree was built with.  None: re-create
-            the raptor_core embedder recorded in the tree.
+            Embeds queries; must be the model the tree was built with.  None: the vector
+            store's own ``embeddings``, or the raptor_core embedder recorded in the tree.
         k: int
-            Number of documents to return (default 4); ``invoke(q, k=...)`` overrides it.
+            Number of documents to return (default 4); ``search_kwargs={"k": ...}`` and
+            ``invoke(q, k=...)`` override it.
+        search_type: str
+            ``"similarity"`` (default: the ``strategy``), ``"mmr"`` (maximal marginal
+            relevance over the tree) or ``"similarity_score_threshold"``.
+        search_kwargs: dict
+            ``k``, ``filter`` (the vector store's own filter; the core filter dialect for an
+            in-memory tree), ``fetch_k`` and ``lambda_mult`` (mmr), ``score_threshold``, and
+            the strategy's own parameters (e.g. ``{"layers": [0]}``).
         strategy: str
-            One of ``"collapsed"`` (default, the paper's best), ``"traversal"``,
-            ``"value"``, ``"llm"``, ``"hybrid"``.
+            One of ``"passage"`` (default: leaf hits grown into contiguous passages),
+            ``"collapsed"`` (the paper's), ``"traversal"``, ``"value"``, ``"mmr"``,
+            ``"llm"``, ``"hybrid"``.
         llm: BaseChatModel | BaseLLM | raptor_core.LLM | None
-            The model for the ``"llm"`` strategy.
+            The model for the ``"llm"`` and ``"hybrid"`` strategies; its calls show as child
+            runs of the retriever run.
         max_tokens: int | None
             Token budget for the returned documents; None: ``k`` alone bounds them.
-        search_kwargs: dict
-            Extra strategy parameters (e.g. ``{"layers": [0]}``); per-call keywords
-            override them.
 
     Instantiate:
         ```python
+        from langchain_chroma import Chroma
         from langchain_core.documents import Document
         from raptor_langchain import RaptorRetriever
 
         docs = [Document(page_content=text, metadata={"source": name}) for name, text in pages]
-        retriever = RaptorRetriever.from_documents(docs, embeddings=embeddings, llm=llm, k=4)
-        retriever.save("raptor-tree")  # later: RaptorRetriever.from_tree("raptor-tree", ...)
+        store = Chroma(collection_name="reports-raptor", embedding_function=embeddings)
+        retriever = RaptorRetriever.from_documents(
+            docs, embeddings=embeddings, llm=llm, vectorstore=store, k=4
+        )
+        # later, without rebuilding:
+        retriever = RaptorRetriever.from_vectorstore(store, embeddings=embeddings)
         ```
 
     Usage:
@@ -149,11 +214,11 @@ class RaptorRetriever(BaseRetriever):
         query = "How do the main themes of the report connect?"
 
         retriever.invoke(query)
-        retriever.invoke(query, k=2)
+        retriever.invoke(query, k=2, filter={"source": "q3.pdf"})
         ```
 
         ```none
-        [Document(id='L1.0', metadata={'score': 0.71, 'raptor_layer': 1, ...},
+        [Document(id='L1-…', metadata={'score': 0.71, 'raptor_layer': 1, ...},
                   page_content='The report covers ...'), ...]
         ```
 
@@ -187,23 +252,33 @@ class RaptorRetriever(BaseRetriever):
         ```
     """
 
-    tree: InstanceOf[Tree]
-    """The RAPTOR tree to search."""
+    tree: InstanceOf[Tree] | None = None
+    """The RAPTOR tree to search, in memory (or use ``vectorstore``)."""
+    vectorstore: InstanceOf[VectorStore] | None = None
+    """A LangChain vector store holding the tree (or use ``tree``)."""
     embeddings: Embeddings | Embedder | None = None
-    """Query embedding model: the one the tree was built with (None: recorded in the tree)."""
+    """Query embedding model: the one the tree was built with.  None: the vector store's own
+    model, or, for a tree, the recorded one when it is a local sentence-transformers model by
+    name (see ``docs/loading-trees.md``)."""
     k: int = Field(default=4, ge=1)
     """Number of documents to return."""
-    strategy: str = "collapsed"
-    """Retrieval strategy; see ``raptor_core.strategies.STRATEGIES``."""
+    strategy: str = DEFAULT_STRATEGY
+    """Retrieval strategy; see ``raptor_core.retrieval.registry.STRATEGIES``.  Left unset on a
+    vector store that cannot list its documents (a ``GenericDialect``), the default is
+    ``"collapsed"``: the default ``"passage"`` strategy reads every leaf once."""
+    search_type: str = "similarity"
+    """``"similarity"``, ``"mmr"`` or ``"similarity_score_threshold"`` (see ``SEARCH_TYPES``)."""
     llm: Runnable[Any, Any] | LLM | None = None
-    """Model for the ``"llm"`` strategy (a LangChain chat model or LLM, or a core LLM)."""
+    """Model for the ``"llm"`` and ``"hybrid"`` strategies (a LangChain model or a core LLM)."""
     max_tokens: int | None = Field(default=None, ge=1)
     """Token budget for the returned documents; None: no budget."""
     search_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Extra keyword parameters of the strategy."""
+    """``VectorStore.as_retriever`` search keywords plus the strategy's own parameters."""
+    dialect: StoreDialect | None = None
+    """How to talk to ``vectorstore`` (default: chosen by its class)."""
 
-    _cache: tuple[tuple[Any, ...], TreeRetriever] | None = PrivateAttr(default=None)
     _embedder_cache: tuple[Any, Embedder] | None = PrivateAttr(default=None)
+    _store_cache: tuple[Any, Any, Any, LangChainNodeStore] | None = PrivateAttr(default=None)
 
     @field_validator("strategy")
     @classmethod
@@ -213,91 +288,182 @@ class RaptorRetriever(BaseRetriever):
             raise ValueError(msg)
         return value
 
+    @field_validator("search_type")
+    @classmethod
+    def _known_search_type(cls, value: str) -> str:
+        if value not in SEARCH_TYPES:
+            msg = f"search_type must be one of {', '.join(map(repr, SEARCH_TYPES))}, got {value!r}"
+            raise ValueError(msg)
+        return value
+
+    @model_validator(mode="after")
+    def _one_source_and_known_kwargs(self) -> RaptorRetriever:
+        if (self.tree is None) == (self.vectorstore is None):
+            msg = (
+                "pass exactly one of tree= (an in-memory raptor_core.Tree) and vectorstore= "
+                "(a LangChain vector store holding a tree)"
+            )
+            raise ValueError(msg)
+        self._plan({})  # search_type, strategy and search_kwargs agree, keys are known
+        return self
+
     # -- resolution ----------------------------------------------------------------------------
     def _embedder(self) -> Embedder:
         # Keyed on the object itself (not its id): fields may be reassigned after construction.
-        source = self.embeddings if self.embeddings is not None else self.tree
+        source: Any = self.embeddings
+        if source is None:
+            source = self.vectorstore.embeddings if self.vectorstore is not None else self.tree
         cached = self._embedder_cache
         if cached is not None and cached[0] is source:
             return cached[1]
-        if self.embeddings is not None:
-            embedder = _core_embedder(self.embeddings)
+        if self.vectorstore is None:
+            assert self.tree is not None  # the validator guarantees one source
+            given = _core_embedder(self.embeddings) if self.embeddings is not None else None
+            # Checked against the tree's record when given; otherwise re-created only from the
+            # closed allowlist of raptor_core.components (a tree file never picks code).
+            embedder = embedder_for_tree(self.tree, given, pass_as="embeddings")
+        elif isinstance(source, Embeddings | Embedder):
+            embedder = _core_embedder(source)
+            # A store's manifest is data too: it only describes the model, and what the
+            # caller (or the store) supplies is checked against it, never created from it.
+            store = self.store
+            assert isinstance(store, LangChainNodeStore)
+            check_embedder(store.shape(), embedder, pass_as="embeddings")  # type: ignore[arg-type]
         else:
-            embedder = self._recorded_embedder(self.tree)
+            msg = (
+                f"the {type(self.vectorstore).__name__} has no embedding model: pass "
+                "embeddings= (the model the tree was built with)"
+            )
+            raise InvalidParameterError(msg)
         self._embedder_cache = (source, embedder)
         return embedder
 
-    @staticmethod
-    def _recorded_embedder(tree: Tree) -> Embedder:
-        from raptor_core.resolve import from_description
+    def _can_list(self) -> bool:
+        store = self.store
+        return not isinstance(store, LangChainNodeStore) or store.dialect.can_count
 
-        description = tree.params.get("embedder")
-        if not isinstance(description, Mapping):
+    @property
+    def store(self) -> Tree | NodeStore:
+        """What the strategies search: the tree, or the vector store as a NodeStore."""
+        if self.vectorstore is None:
+            assert self.tree is not None  # the validator guarantees one source
+            return self.tree
+        key = (self.vectorstore, self.embeddings, self.dialect)
+        cached = self._store_cache
+        if cached is not None and all(a is b for a, b in zip(cached[:3], key, strict=True)):
+            return cached[3]
+        store = LangChainNodeStore(self.vectorstore, self.embeddings, dialect=self.dialect)
+        self._store_cache = (*key, store)
+        return store
+
+    def _strategy(self) -> str:
+        if self.search_type != "mmr":
+            if "strategy" not in self.model_fields_set and not self._can_list():
+                # The default strategy reads every leaf once (BM25, neighbours); a store
+                # that cannot list its documents serves the collapsed tree instead.
+                return "collapsed"
+            return self.strategy
+        # search_type="mmr" names the strategy itself; only a different one set explicitly
+        # (not the default) contradicts it.
+        if "strategy" in self.model_fields_set and self.strategy not in ("collapsed", "mmr"):
             msg = (
-                "the tree does not record its embedder: pass embeddings= (the model that built it)"
+                f"search_type='mmr' runs the 'mmr' strategy; it cannot be combined with "
+                f"strategy={self.strategy!r} (use search_type='similarity' for that strategy)"
             )
             raise InvalidParameterError(msg)
-        try:
-            embedder: Embedder = from_description(description)
-        except InvalidParameterError as exc:
-            msg = (
-                f"cannot re-create the embedder this tree was built with "
-                f"({description.get('class')}): pass embeddings= (the same model). {exc}"
-            )
-            raise InvalidParameterError(msg) from exc
-        return embedder
+        return "mmr"
 
-    def _core(self, overrides: Mapping[str, Any]) -> TreeRetriever:
-        """The core retriever; the one without per-call overrides is cached until fields change."""
-        # Objects compared by identity, settings by value: fields may be reassigned.
-        key = (
-            self.tree,
-            self.embeddings,
-            self.llm,
-            self.strategy,
-            self.k,
-            self.max_tokens,
-            repr(self.search_kwargs),
-        )
-        cached = self._cache
-        if not overrides and cached is not None and _same(cached[0], key):
-            return cached[1]
-        params = {**self.search_kwargs, **overrides}
-        llm = _core_llm(self.llm) if self.llm is not None else None
+    def _plan(self, call_kwargs: Mapping[str, Any]) -> _Plan:
+        """Resolve ``search_kwargs`` and per-call keywords into one search.
+
+        Per-call keywords override ``search_kwargs``, which override the ``k`` and
+        ``max_tokens`` fields.  ``filter`` is the vector store's own filter (passed to the
+        store as ``native_filter``); with an in-memory tree it is a core ``where`` filter.
+        """
+        strategy = self._strategy()
+        merged = {**self.search_kwargs}
+        merged.update((key, v) for key, v in call_kwargs.items() if key not in _RUNTIME_KWARGS)
+        accepted = set(accepted_params(strategy)) | _LANGCHAIN_KEYS
+        unknown = sorted(set(merged) - accepted)
+        if unknown:
+            hint = (
+                " (fetch_k and lambda_mult need search_type='mmr')"
+                if {"fetch_k", "lambda_mult"} & set(unknown)
+                else ""
+            )
+            msg = (
+                f"unknown search keyword(s) {', '.join(map(repr, unknown))} for "
+                f"search_type={self.search_type!r}, strategy={strategy!r}{hint}; accepted: "
+                f"{', '.join(sorted(accepted))}"
+            )
+            raise InvalidParameterError(msg)
+        threshold = merged.pop("score_threshold", None)
+        if self.search_type == "similarity_score_threshold":
+            threshold = _check_threshold(threshold)
+        elif threshold is not None:
+            msg = (
+                "score_threshold applies to search_type='similarity_score_threshold'; "
+                f"this retriever's search_type is {self.search_type!r}"
+            )
+            raise InvalidParameterError(msg)
+        user_filter = merged.pop("filter", None)
+        if user_filter is not None:
+            key = "where" if self.vectorstore is None else "native_filter"
+            given = merged.get(key)
+            if given is None:
+                merged[key] = user_filter
+            elif key == "where":
+                merged[key] = {"$and": [given, user_filter]}
+            else:
+                msg = "pass the vector store's filter once: as filter= or as native_filter="
+                raise InvalidParameterError(msg)
+        k = merged.pop("k", self.k)
+        max_tokens = merged.pop("max_tokens", self.max_tokens)
+        return _Plan(strategy, merged, k, max_tokens, threshold)
+
+    def _core(self, plan: _Plan, llm: LLM | None) -> TreeRetriever:
         # Unknown parameters raise InvalidParameterError listing the accepted ones.
-        retriever = make_retriever(
-            self.strategy,
-            self.tree,
+        return make_retriever(
+            plan.strategy,
+            self.store,  # type: ignore[arg-type]
             self._embedder(),
             llm=llm,
-            k=self.k,
-            max_tokens=self.max_tokens,
-            **params,
+            k=plan.k,
+            max_tokens=plan.max_tokens,
+            **plan.params,
         )
-        if not overrides:
-            self._cache = (key, retriever)
-        return retriever
 
-    def _split_kwargs(self, kwargs: Mapping[str, Any]) -> tuple[int, int | None, dict[str, Any]]:
-        overrides = {k: v for k, v in kwargs.items() if k not in _RUNTIME_KWARGS}
-        k = overrides.pop("k", self.k)
-        max_tokens = overrides.pop("max_tokens", None)
-        return k, max_tokens, overrides
+    def _llm(self, plan: _Plan, callbacks: Any) -> LLM | None:
+        """The strategy's LLM, reporting its calls as children of this retriever run."""
+        if self.llm is None or plan.strategy not in _NEEDS_LLM:
+            return None
+        return traced_llm(self.llm, callbacks)
+
+    @staticmethod
+    def _documents(plan: _Plan, hits: list[Hit]) -> list[Document]:
+        if plan.score_threshold is not None:
+            hits = [hit for hit in hits if hit.score >= plan.score_threshold]
+        return [hit_to_document(hit) for hit in hits]
 
     # -- BaseRetriever -------------------------------------------------------------------------
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
-        k, max_tokens, overrides = self._split_kwargs(kwargs)
-        hits = self._core(overrides).retrieve(query, k=k, max_tokens=max_tokens)
-        return [hit_to_document(hit) for hit in hits]
+        plan = self._plan(kwargs)
+        core = self._core(plan, self._llm(plan, run_manager.get_child()))
+        return self._documents(plan, core.retrieve(query))
 
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
-        k, max_tokens, overrides = self._split_kwargs(kwargs)
-        hits = await self._core(overrides).aretrieve(query, k=k, max_tokens=max_tokens)
-        return [hit_to_document(hit) for hit in hits]
+        plan = self._plan(kwargs)
+        core = self._core(plan, self._llm(plan, run_manager.get_child()))
+        if self.vectorstore is not None and plan.strategy not in _NEEDS_LLM:
+            # A vector store's client blocks (HTTP, disk): keep it off the event loop.
+            hits = await run_in_executor(None, core.retrieve, query)
+        else:
+            hits = await core.aretrieve(query)
+        return self._documents(plan, hits)
 
     # -- constructors --------------------------------------------------------------------------
     @staticmethod
@@ -309,7 +475,7 @@ class RaptorRetriever(BaseRetriever):
         embedder = _core_embedder(embeddings) if embeddings is not None else _default_embedder()
         summarizer = build_options.pop("summarizer", None)
         if summarizer is None and llm is not None:
-            from raptor_core.summarizers import LLMSummarizer
+            from raptor_core.build.summarizers import LLMSummarizer
 
             summarizer = LLMSummarizer(_core_llm(llm))
         # summarizer None: TreeBuilder's offline extractive default.
@@ -328,6 +494,30 @@ class RaptorRetriever(BaseRetriever):
             )
         return out
 
+    @staticmethod
+    def _model(
+        embeddings: Embeddings | Embedder | None, vectorstore: VectorStore | None
+    ) -> Embeddings | Embedder | None:
+        """The embedding model to build with: the given one, else the vector store's own."""
+        if embeddings is None and vectorstore is not None:
+            return vectorstore.embeddings
+        return embeddings
+
+    @staticmethod
+    def _empty_store(
+        vectorstore: VectorStore, embeddings: Embeddings | Embedder | None, dialect: Any
+    ) -> LangChainNodeStore:
+        store = LangChainNodeStore(vectorstore, embeddings, dialect=dialect)
+        if store.manifest is not None or len(store) > 0:
+            # Refuse before paying for a build.
+            msg = (
+                f"the {type(vectorstore).__name__} already holds documents: build into an "
+                "empty store (a new collection), or reopen its tree with "
+                "RaptorRetriever.from_vectorstore"
+            )
+            raise InvalidParameterError(msg)
+        return store
+
     @classmethod
     def from_documents(
         cls,
@@ -335,10 +525,13 @@ class RaptorRetriever(BaseRetriever):
         embeddings: Embeddings | Embedder | None = None,
         llm: Runnable[Any, Any] | LLM | None = None,
         *,
+        vectorstore: VectorStore | None = None,
         k: int = 4,
-        strategy: str = "collapsed",
+        strategy: str | None = None,
+        search_type: str = "similarity",
         max_tokens: int | None = None,
         search_kwargs: dict[str, Any] | None = None,
+        dialect: StoreDialect | None = None,
         **build_options: Any,
     ) -> RaptorRetriever:
         """Build a tree over LangChain documents and return a retriever over it.
@@ -347,23 +540,43 @@ class RaptorRetriever(BaseRetriever):
             documents: the documents; ``Document.id`` (or ``doc-<i>``) becomes the document
                 id, and their metadata is copied onto every chunk.
             embeddings: a LangChain ``Embeddings`` or a raptor_core ``Embedder``; None: the
-                packaged offline all-MiniLM-L6-v2.
+                vector store's own model, else the packaged offline all-MiniLM-L6-v2.
             llm: a LangChain chat model or LLM (or a core ``LLM``) that writes the summaries
                 and serves the ``"llm"`` strategy; None: offline extractive summaries.
+            vectorstore: an empty LangChain vector store to write every layer of the tree
+                into (then nothing stays in memory); None: the tree is kept in memory.
             k: number of documents to return.
-            strategy: retrieval strategy.
+            strategy: retrieval strategy; None: the field's default (``"passage"``, or
+                ``"collapsed"`` on a store that cannot list its documents).
+            search_type: ``"similarity"``, ``"mmr"`` or ``"similarity_score_threshold"``.
             max_tokens: token budget for the returned documents.
-            search_kwargs: extra strategy parameters.
+            search_kwargs: ``k``, ``filter``, ``fetch_k``, ``lambda_mult``,
+                ``score_threshold`` and strategy parameters.
+            dialect: how to talk to ``vectorstore`` (default: chosen by its class).
             **build_options: passed to :class:`raptor_core.TreeBuilder` (``chunk_max_tokens``,
                 ``max_layers``, ``random_state``, ``summarizer``, ...).
 
         Raises:
             InvalidInputError: no documents, or an empty or duplicate one.
+            InvalidParameterError: ``vectorstore`` already holds documents.
             EmbeddingError, SummarizationError, LLMError: a model failed.
         """
+        embeddings = cls._model(embeddings, vectorstore)
+        store = cls._empty_store(vectorstore, embeddings, dialect) if vectorstore else None
         builder = cls._builder(embeddings, llm, build_options)
         tree = builder.build(cls._core_documents(documents))
-        return cls._over(tree, builder, embeddings, llm, k, strategy, max_tokens, search_kwargs)
+        return cls._over(
+            tree,
+            store,
+            builder,
+            embeddings,
+            llm,
+            k=k,
+            strategy=strategy,
+            search_type=search_type,
+            max_tokens=max_tokens,
+            search_kwargs=search_kwargs,
+        )
 
     @classmethod
     async def afrom_documents(
@@ -372,39 +585,108 @@ class RaptorRetriever(BaseRetriever):
         embeddings: Embeddings | Embedder | None = None,
         llm: Runnable[Any, Any] | LLM | None = None,
         *,
+        vectorstore: VectorStore | None = None,
         k: int = 4,
-        strategy: str = "collapsed",
+        strategy: str | None = None,
+        search_type: str = "similarity",
         max_tokens: int | None = None,
         search_kwargs: dict[str, Any] | None = None,
+        dialect: StoreDialect | None = None,
         **build_options: Any,
     ) -> RaptorRetriever:
         """Async :meth:`from_documents`: summaries and embeddings use the models' async APIs."""
+        embeddings = cls._model(embeddings, vectorstore)
+        store = cls._empty_store(vectorstore, embeddings, dialect) if vectorstore else None
         builder = cls._builder(embeddings, llm, build_options)
         tree = await builder.abuild(cls._core_documents(documents))
-        return cls._over(tree, builder, embeddings, llm, k, strategy, max_tokens, search_kwargs)
+        if store is not None:
+            await run_in_executor(None, store.add_tree, tree)
+        return cls._over(
+            tree,
+            store,
+            builder,
+            embeddings,
+            llm,
+            k=k,
+            strategy=strategy,
+            search_type=search_type,
+            max_tokens=max_tokens,
+            search_kwargs=search_kwargs,
+            written=True,
+        )
 
     @classmethod
     def _over(
         cls,
         tree: Tree,
+        store: LangChainNodeStore | None,
         builder: TreeBuilder,
         embeddings: Embeddings | Embedder | None,
         llm: Runnable[Any, Any] | LLM | None,
-        k: int,
-        strategy: str,
-        max_tokens: int | None,
-        search_kwargs: dict[str, Any] | None,
+        *,
+        written: bool = False,
+        **fields: Any,
     ) -> RaptorRetriever:
-        return cls(
-            tree=tree,
-            # Query with the very embedder the tree was built with.
-            embeddings=embeddings if embeddings is not None else builder.embedder,
+        # Query with the very embedder the tree was built with.
+        model = embeddings if embeddings is not None else builder.embedder
+        fields["search_kwargs"] = dict(fields.get("search_kwargs") or {})
+        if fields.get("strategy") is None:
+            fields.pop("strategy", None)  # unset: the field's default for this store
+        if store is None:
+            return cls(tree=tree, embeddings=model, llm=llm, **fields)
+        retriever = cls(
+            vectorstore=store.vectorstore,
+            embeddings=model,
             llm=llm,
-            k=k,
-            strategy=strategy,
-            max_tokens=max_tokens,
-            search_kwargs=dict(search_kwargs or {}),
+            dialect=store.dialect,
+            **fields,
         )
+        if not written:
+            store.add_tree(tree)
+        store.embeddings = model
+        retriever._store_cache = (store.vectorstore, model, store.dialect, store)
+        return retriever
+
+    @classmethod
+    def from_vectorstore(
+        cls,
+        vectorstore: VectorStore,
+        embeddings: Embeddings | Embedder | None = None,
+        llm: Runnable[Any, Any] | LLM | None = None,
+        *,
+        dialect: StoreDialect | None = None,
+        **kwargs: Any,
+    ) -> RaptorRetriever:
+        """Reopen a tree written into ``vectorstore`` by :meth:`from_documents`, without rebuilding.
+
+        Args:
+            vectorstore: the LangChain vector store (collection) holding the tree.
+            embeddings: the model the tree was built with; None: the store's own model.
+            llm: model for the ``"llm"`` and ``"hybrid"`` strategies.
+            dialect: how to talk to the store (default: chosen by its class).
+            **kwargs: other fields (``k``, ``strategy``, ``search_type``, ``search_kwargs``,
+                ``max_tokens``).
+
+        Raises:
+            InvalidParameterError: the store holds no RAPTOR tree, or no embedding model is
+                known.
+            TreeFormatError: the tree's manifest is damaged or of a newer format.
+        """
+        retriever = cls(
+            vectorstore=vectorstore, embeddings=embeddings, llm=llm, dialect=dialect, **kwargs
+        )
+        store = retriever.store
+        assert isinstance(store, LangChainNodeStore)
+        if not store.complete:
+            state = "an incomplete" if store.manifest is not None or len(store) else "no"
+            msg = (
+                f"the {type(vectorstore).__name__} holds {state} RAPTOR tree (no complete "
+                f"{MANIFEST_ID!r} document; an interrupted build leaves none): build one into "
+                "an empty store with RaptorRetriever.from_documents(..., vectorstore=...)"
+            )
+            raise InvalidParameterError(msg)
+        retriever._embedder()  # fail now, not at the first query, if no model is known
+        return retriever
 
     @staticmethod
     def _texts_as_documents(
@@ -470,16 +752,19 @@ class RaptorRetriever(BaseRetriever):
 
         Args:
             path: the tree directory.
-            embeddings: the model the tree was built with; None re-creates the raptor_core
-                embedder recorded in the tree (a LangChain model must be passed again).
+            embeddings: the model the tree was built with.  None re-creates the recorded
+                embedder only when it is a local sentence-transformers model by name or a
+                test fake (see ``docs/loading-trees.md``); any other model, LangChain's
+                included, must be passed again.
             llm: model for the ``"llm"`` strategy.
             mmap: memory-map the embedding matrix instead of reading it.
             **kwargs: other fields (``k``, ``strategy``, ``max_tokens``, ``search_kwargs``, ...).
 
         Raises:
             TreeFormatError: no tree at ``path``, or a damaged one.
-            InvalidParameterError: ``embeddings`` is None and the tree's embedder cannot be
-                re-created.
+            InvalidParameterError: ``embeddings`` is None and the tree's embedder is not one
+                a load creates by itself (the message says what to pass), or ``embeddings``
+                does not fit the tree (another dimension).
         """
         tree = Tree.load(path, mmap=mmap)
         retriever = cls(tree=tree, embeddings=embeddings, llm=llm, **kwargs)
@@ -487,5 +772,12 @@ class RaptorRetriever(BaseRetriever):
         return retriever
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Save the tree to directory ``path`` (plain JSON + ``.npy``, written atomically)."""
-        return self.tree.save(path)
+        """Save the tree to directory ``path`` (plain JSON + ``.npy``, written atomically).
+
+        A tree in a vector store is exported first (every node and vector is read back).
+        """
+        if self.tree is not None:
+            return self.tree.save(path)
+        store = self.store
+        assert isinstance(store, LangChainNodeStore)
+        return store.to_tree().save(path)

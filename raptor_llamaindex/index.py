@@ -30,12 +30,13 @@ from llama_index.core.chat_engine.types import BaseChatEngine, ChatMode
 from llama_index.core.llms import LLM as LlamaIndexLLMBase
 from llama_index.core.schema import BaseNode, MetadataMode
 
-from raptor_core.builder import ProgressCallback, TreeBuilder, describe, to_documents
+from raptor_core.build.builder import ProgressCallback, TreeBuilder, describe, to_documents
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 from raptor_core.tree import Tree
 from raptor_core.types import LLM, Document, Embedder, Summarizer
 from raptor_llamaindex.models import resolve_embedder, resolve_summarizer
 from raptor_llamaindex.retriever import (
+    BUILDER_PARAMS,
     DEFAULT_STRATEGY,
     RaptorRetriever,
     merge_retriever_params,
@@ -140,8 +141,9 @@ def _empty_tree(embedder: Embedder) -> Tree:
 
 
 def _jsonable_builder_args(args: Mapping[str, Any]) -> dict[str, Any]:
-    # Components (tokenizer, chunker, clusterer, progress) are objects: pass them again to load().
-    return {k: v for k, v in args.items() if v is None or isinstance(v, str | int | float | bool)}
+    # Only the plain numbers a load accepts back (BUILDER_PARAMS).  Components (tokenizer,
+    # chunker, clusterer, progress) and the cache location are passed again to load().
+    return {k: v for k, v in args.items() if k in BUILDER_PARAMS and (v is None or type(v) is int)}
 
 
 class _TqdmProgress:
@@ -245,7 +247,7 @@ class RaptorIndex:
             msg = f"tree must be a raptor_core Tree, got {type(tree).__name__}"
             raise InvalidParameterError(msg)
         self._tree = tree
-        self._embedder = resolve_embedder(embed_model, recorded=tree.params.get("embedder"))
+        self._embedder = resolve_embedder(embed_model, tree=tree)
         self._llm = llm
         self._summarizer = summarizer
         self._documents = list(documents) if documents is not None else None
@@ -628,8 +630,9 @@ class RaptorIndex:
         Args:
             persist_dir: the directory.
             embed_model: the model the tree was built with.  Default: re-created from the
-                tree's record when it is a raptor_core embedder (the packaged MiniLM, ...),
-                else ``Settings.embed_model``.
+                tree's record only when it is a local sentence-transformers model by name (the
+                packaged MiniLM, a hub id) or a test fake, else ``Settings.embed_model``; any
+                other model must be passed (see ``docs/loading-trees.md``).
             llm: for summaries on later inserts, LLM strategies and answers.
             summarizer: a raptor_core ``Summarizer`` for later inserts.
             callback_manager: LlamaIndex callbacks.

@@ -5,7 +5,11 @@ and errors (to the raptor_core hierarchy).  They hold no RAPTOR logic.
 
 This module also decides which model to use when none is passed (``resolve_*``):
 
-* an explicit argument always wins;
+* an explicit argument always wins (for a tree, an embedder is checked against the model
+  the tree records: another dimension is an error, another model name a warning);
+* for a tree, the embedder it records, **only** when a load may create it by itself: a
+  local sentence-transformers model by name or a test fake (the closed allowlist of
+  :mod:`raptor_core.components`).  A tree file never makes us create anything else;
 * then ``Settings.embed_model`` / ``Settings.llm`` **if the application configured them**.
   The check reads ``Settings._embed_model`` / ``Settings._llm`` instead of the public
   properties, because those lazily resolve to OpenAI (a network client that raises without
@@ -18,7 +22,7 @@ This module also decides which model to use when none is passed (``resolve_*``):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -30,6 +34,7 @@ from llama_index.core.settings import Settings
 from numpy.typing import NDArray
 from pydantic import PrivateAttr
 
+from raptor_core.build.summarizers import LLMSummarizer
 from raptor_core.exceptions import (
     EmbeddingError,
     InvalidParameterError,
@@ -38,7 +43,7 @@ from raptor_core.exceptions import (
     LLMTimeoutError,
     RaptorError,
 )
-from raptor_core.summarizers import LLMSummarizer
+from raptor_core.tree import Tree
 from raptor_core.types import DEFAULT_SUMMARY_PROMPT, LLM, AsyncEmbedder, Embedder, Summarizer
 
 __all__ = [
@@ -213,7 +218,7 @@ class LlamaIndexLLM:
     Use as a summariser:
         .. code-block:: python
 
-            from raptor_core.summarizers import LLMSummarizer
+            from raptor_core.build.summarizers import LLMSummarizer
 
             summarizer = LLMSummarizer(llm)  # or LlamaIndexSummarizer(MockLLM())
     """
@@ -408,50 +413,59 @@ def _is_core_embedder(obj: object) -> bool:
 def resolve_embedder(
     embed_model: BaseEmbedding | Embedder | None,
     *,
-    recorded: Mapping[str, Any] | None = None,
+    tree: Tree | None = None,
 ) -> Embedder:
     """The core embedder for ``embed_model`` (see the module docstring for the fallbacks).
 
     Args:
         embed_model: a LlamaIndex ``BaseEmbedding``, a raptor_core ``Embedder`` or None.
-        recorded: the embedder description a saved tree carries (``tree.params["embedder"]``);
-            a raptor_core embedder recorded there is re-created in preference to ``Settings``,
-            because a tree must be queried with the model that built it.
+        tree: the tree the embedder will search, when there is one.  A given model (or
+            ``Settings.embed_model``) is checked against what the tree records; with
+            neither, the recorded embedder is re-created only when it is on the closed
+            allowlist of :mod:`raptor_core.components` (a local sentence-transformers model
+            by name, a test fake): a tree file never picks code, a URL or a path.
 
     Raises:
-        InvalidParameterError: ``embed_model`` is neither kind, or a loaded tree was built with
-            a model that cannot be re-created and none is configured.
+        InvalidParameterError: ``embed_model`` is neither kind, does not fit the tree, or
+            the tree's embedder is not one a load creates by itself and none is configured
+            (the message says what to pass).
     """
-    if isinstance(embed_model, RaptorEmbedding):
-        return embed_model.embedder
-    if isinstance(embed_model, BaseEmbedding):
-        return LlamaIndexEmbedder(embed_model)
+    from raptor_core.components import check_embedder, recreate_embedder
+
     if embed_model is not None:
-        if _is_core_embedder(embed_model):
-            return embed_model
-        msg = (
-            f"embed_model must be a LlamaIndex BaseEmbedding or a raptor_core Embedder, "
-            f"got {type(embed_model).__name__}"
-        )
-        raise InvalidParameterError(msg)
-    recorded_class = str((recorded or {}).get("class", ""))
-    if recorded_class.startswith("raptor_core."):
-        from raptor_core.resolve import from_description
+        if isinstance(embed_model, RaptorEmbedding):
+            embedder: Embedder = embed_model.embedder
+        elif isinstance(embed_model, BaseEmbedding):
+            embedder = LlamaIndexEmbedder(embed_model)
+        elif _is_core_embedder(embed_model):
+            embedder = embed_model
+        else:
+            msg = (
+                f"embed_model must be a LlamaIndex BaseEmbedding or a raptor_core Embedder, "
+                f"got {type(embed_model).__name__}"
+            )
+            raise InvalidParameterError(msg)
+        if tree is not None:
+            check_embedder(tree, embedder, pass_as="embed_model")
+        return embedder
+    record = tree.params.get("embedder") if tree is not None else None
+    if tree is None or record is None:
+        # Nothing to match (a new build, or a tree that records no model): the defaults.
+        settings_model = configured_embed_model()
+        if settings_model is not None:
+            return resolve_embedder(settings_model, tree=tree)
+        from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
 
-        return from_description(recorded or {})
-    settings_model = configured_embed_model()
-    if settings_model is not None:
-        return resolve_embedder(settings_model)
-    if recorded_class:
-        model = (recorded or {}).get("model_name", "?")
-        msg = (
-            f"this tree was embedded with {recorded_class} (model {model!r}), which cannot be "
-            "re-created from the saved files: pass embed_model= or set Settings.embed_model"
-        )
-        raise InvalidParameterError(msg)
-    from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
-
-    return SentenceTransformerEmbedder()
+        return SentenceTransformerEmbedder()
+    try:
+        # The model that built the tree, when a load may create it by itself.
+        return recreate_embedder(record, dim=tree.dim if len(tree) else None, pass_as="embed_model")
+    except InvalidParameterError:
+        settings_model = configured_embed_model()
+        if settings_model is None:
+            raise
+    # The application configured a model: the caller's choice, checked like a passed one.
+    return resolve_embedder(settings_model, tree=tree)
 
 
 def resolve_llm(llm: BaseLLM | LLM | None) -> LLM | None:

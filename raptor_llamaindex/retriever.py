@@ -10,6 +10,7 @@ instrumentation events (``RetrievalStartEvent``/``RetrievalEndEvent``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,7 +33,9 @@ from llama_index.core.schema import (
 
 from raptor_core.exceptions import InvalidParameterError, TreeFormatError
 from raptor_core.retrieval import DEFAULT_MAX_TOKENS, Hit, TreeRetriever
-from raptor_core.strategies import accepted_params, make_retriever
+from raptor_core.retrieval.registry import DEFAULT_STRATEGY as CORE_DEFAULT_STRATEGY
+from raptor_core.retrieval.registry import STRATEGIES, accepted_params, make_retriever
+from raptor_core.store._format import write_tree
 from raptor_core.tree import Tree
 from raptor_core.types import LLM, Embedder
 from raptor_llamaindex.models import resolve_embedder, resolve_llm
@@ -42,7 +45,10 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_STRATEGY", "RAPTOR_METADATA_KEYS", "RaptorRetriever", "hit_to_node"]
 
-DEFAULT_STRATEGY = "collapsed"
+logger = logging.getLogger(__name__)
+
+# The core's default (``"passage"``), so the adapters follow the registry.
+DEFAULT_STRATEGY = CORE_DEFAULT_STRATEGY
 
 #: Metadata keys this adapter adds to every node.  They are hidden from the LLM and from
 #: re-embedding (``excluded_*_metadata_keys``) so they do not pollute prompts.
@@ -55,6 +61,7 @@ RAPTOR_METADATA_KEYS = (
     "raptor_source",
     "raptor_path",
     "raptor_reason",
+    "raptor_leaves",
 )
 
 #: The file ``persist`` writes next to the tree's own files.
@@ -75,7 +82,9 @@ def hit_to_node(
     ``raptor_span`` (``[start, end]`` character offsets, also in ``start_char_idx`` /
     ``end_char_idx``) and a ``SOURCE`` relationship, so ``node.ref_doc_id`` is the document id.
     Summaries carry ``raptor_layer``, ``raptor_doc_ids`` (the documents they cover) and
-    ``raptor_children`` (also as ``CHILD`` relationships).  The ``raptor_*`` keys, and the
+    ``raptor_children`` (also as ``CHILD`` relationships).  A passage of several leaves
+    (the ``"passage"`` strategy) is a leaf-like node whose ``raptor_leaves`` lists the leaf
+    ids it joins.  The ``raptor_*`` keys, and the
     document keys named in ``excluded_*_metadata_keys``, are kept out of prompts and
     embeddings as LlamaIndex does for its own bookkeeping.
     """
@@ -97,6 +106,8 @@ def hit_to_node(
         metadata["raptor_path"] = list(hit.path)
     if hit.reason:
         metadata["raptor_reason"] = hit.reason
+    if hit.leaves:
+        metadata["raptor_leaves"] = list(hit.leaves)
     hidden = [k for k in RAPTOR_METADATA_KEYS if k in metadata]
     text_node = TextNode(
         id_=node.id,
@@ -137,9 +148,10 @@ def strategy_param_names(strategy: str) -> frozenset[str]:
 class RaptorRetriever(BaseRetriever):
     """RAPTOR tree retriever for LlamaIndex.
 
-    Searches a :class:`raptor_core.Tree` with any raptor_core strategy (``"collapsed"``: all
-    layers ranked together, the paper's best; ``"traversal"``: top-down beam; ``"value"``,
-    ``"llm"``, ``"hybrid"``) and returns ``NodeWithScore`` objects, so it drops into query
+    Searches a :class:`raptor_core.Tree` with any raptor_core strategy (``"passage"``:
+    leaf hits grown into contiguous passages, the default; ``"collapsed"``: all layers
+    ranked together, the paper's; ``"traversal"``: top-down beam; ``"value"``, ``"llm"``,
+    ``"hybrid"``) and returns ``NodeWithScore`` objects, so it drops into query
     engines, chat engines, routers, fusion retrievers and postprocessors unchanged.
 
     Setup:
@@ -148,10 +160,12 @@ class RaptorRetriever(BaseRetriever):
     Key init args:
         tree: the RAPTOR tree (``RaptorIndex.tree``, ``Tree.load(dir)`` or ``TreeBuilder``).
         embed_model: the model the tree was built with: a LlamaIndex ``BaseEmbedding`` or a
-            raptor_core ``Embedder``.  Default: the embedder recorded in the tree when it is
-            a raptor_core one, else ``Settings.embed_model`` if configured, else the packaged
-            all-MiniLM-L6-v2.
-        strategy: ``"collapsed"`` (default), ``"traversal"``, ``"value"``, ``"llm"``, ``"hybrid"``.
+            raptor_core ``Embedder``.  Default: the embedder recorded in the tree when a load
+            may create it by itself (a local sentence-transformers model by name, see
+            ``docs/loading-trees.md``), else ``Settings.embed_model`` if configured; a tree
+            recording no embedder gets the packaged all-MiniLM-L6-v2.
+        strategy: ``"passage"`` (default), ``"collapsed"``, ``"traversal"``, ``"value"``,
+            ``"mmr"``, ``"llm"``, ``"hybrid"``.
         similarity_top_k: maximum number of nodes returned (the core's ``k``).
         max_tokens: token budget for all returned nodes together (the paper uses 2,000);
             ``None`` for no budget.
@@ -213,7 +227,7 @@ class RaptorRetriever(BaseRetriever):
             msg = f"tree must be a raptor_core Tree, got {type(tree).__name__}"
             raise InvalidParameterError(msg)
         self._tree = tree
-        self._embedder = resolve_embedder(embed_model, recorded=tree.params.get("embedder"))
+        self._embedder = resolve_embedder(embed_model, tree=tree)
         self._llm = resolve_llm(llm)
         self.strategy = strategy
         self.similarity_top_k = similarity_top_k
@@ -416,27 +430,173 @@ def save_with_params(tree: Tree, path: str | os.PathLike[str], **sections: Any) 
     """Save ``tree`` and write ``raptor_llamaindex.json`` (``sections``) beside it.
 
     The parameters are encoded first, so a value that cannot be saved (an object passed as a
-    strategy parameter) fails before anything is written.  Both writes are atomic
-    (temp file + ``os.replace``).
+    strategy parameter) fails before anything is written.  Both files are written in one
+    save under the directory's lock, each through its own temporary file and
+    ``os.replace`` (see :mod:`raptor_core.store._format`), so concurrent saves never mix.
     """
     document = {"format": _FORMAT, "format_version": _FORMAT_VERSION, **sections}
     try:
         payload = json.dumps(document, ensure_ascii=False, indent=1, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        encoded = payload.encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:
+        # UnicodeEncodeError (an unpaired surrogate) is a ValueError too.
         msg = (
             f"cannot persist: retrieval parameters must be JSON-serialisable ({exc}); "
             "pass objects such as a vector index again when loading instead"
         )
         raise InvalidParameterError(msg) from exc
-    directory = tree.save(path)
-    tmp = directory / f".{PARAMS_FILE}.tmp"
-    tmp.write_text(payload, encoding="utf-8")
-    os.replace(tmp, directory / PARAMS_FILE)
-    return directory
+    return write_tree(tree, path, extra_files={PARAMS_FILE: encoded})
+
+
+#: ``TreeBuilder`` parameters ``raptor_llamaindex.json`` may hold, with the bounds a read
+#: accepts (min, max, None allowed).  Nothing else is ever taken from the file: no cache
+#: directory, no path, no URL, no component.
+BUILDER_PARAMS: dict[str, tuple[int, int, bool]] = {
+    "chunk_max_tokens": (1, 1_000_000, False),
+    "summary_max_tokens": (1, 1_000_000, False),
+    "cluster_max_tokens": (1, 10_000_000, False),
+    "max_layers": (0, 1_000, False),
+    "min_layer_size": (1, 10_000_000, False),
+    "max_concurrency": (1, 256, False),
+    "n_threads": (1, 4_096, True),
+    "random_state": (0, 2**32 - 1, True),
+}
+#: Keys an older raptor_llamaindex wrote that a read drops (with a warning) instead of using.
+_DROPPED_BUILDER_KEYS = frozenset({"cache"})
+_RETRIEVER_KEYS = frozenset(
+    {
+        "strategy",
+        "similarity_top_k",
+        "max_tokens",
+        "strategy_params",
+        "excluded_llm_metadata_keys",
+        "excluded_embed_metadata_keys",
+    }
+)
+#: Strategy parameters that are objects, so never read from a file (pass them again).
+_OBJECT_STRATEGY_PARAMS = frozenset({"index", "llm"})
+_TOP_KEYS = frozenset({"format", "format_version", "retriever", "builder", "documents"})
+_MAX_STRING = 100_000
+_MAX_LIST = 10_000
+
+
+def _bad(path: Path, what: str) -> TreeFormatError:
+    return TreeFormatError(f"{path}: {what} (edited, damaged or not written by raptor_llamaindex)")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _scalar_ok(value: object) -> bool:
+    if value is None or isinstance(value, bool) or _is_int(value):
+        return True
+    if isinstance(value, float):
+        return bool(np.isfinite(value))
+    return isinstance(value, str) and len(value) <= _MAX_STRING
+
+
+def _check_builder(path: Path, section: object) -> dict[str, Any]:
+    if not isinstance(section, dict):
+        raise _bad(path, "'builder' is not an object")
+    out: dict[str, Any] = {}
+    for key, value in section.items():
+        if key in _DROPPED_BUILDER_KEYS:
+            logger.warning(
+                "%s: ignoring the saved builder parameter %r: a load never takes it from a "
+                "file; pass %s= to load() again",
+                path,
+                key,
+                key,
+            )
+            continue
+        if key not in BUILDER_PARAMS:
+            raise _bad(path, f"unknown builder parameter {str(key)[:80]!r}")
+        low, high, nullable = BUILDER_PARAMS[key]
+        if value is None and nullable:
+            out[key] = None
+            continue
+        if not _is_int(value) or not low <= value <= high:
+            raise _bad(path, f"builder parameter {key} = {str(value)[:80]!r} is out of range")
+        out[key] = value
+    return out
+
+
+def _check_strategy_params(path: Path, strategy: str, section: object) -> dict[str, Any]:
+    if not isinstance(section, dict):
+        raise _bad(path, "'strategy_params' is not an object")
+    allowed = strategy_param_names(strategy) - _OBJECT_STRATEGY_PARAMS
+    for key, value in section.items():
+        if key not in allowed:
+            raise _bad(path, f"strategy {strategy!r} has no saved parameter {str(key)[:80]!r}")
+        if isinstance(value, list):
+            if len(value) > _MAX_LIST or not all(
+                _scalar_ok(v) and not isinstance(v, str) for v in value
+            ):
+                raise _bad(path, f"strategy parameter {key} is not a list of numbers")
+        elif not _scalar_ok(value):
+            raise _bad(path, f"strategy parameter {key} is not a number, string or flag")
+    return dict(section)
+
+
+def _check_retriever(path: Path, section: object) -> dict[str, Any]:
+    if not isinstance(section, dict):
+        raise _bad(path, "'retriever' is not an object")
+    unknown = sorted(str(k)[:80] for k in set(section) - _RETRIEVER_KEYS)
+    if unknown:
+        raise _bad(path, f"unknown retriever parameter(s) {unknown}")
+    strategy = section.get("strategy", DEFAULT_STRATEGY)
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise _bad(path, f"unknown strategy {str(strategy)[:80]!r}")
+    top_k = section.get("similarity_top_k", 1)
+    if not _is_int(top_k) or not 1 <= top_k <= 1_000_000:
+        raise _bad(path, "similarity_top_k is not a positive integer")
+    max_tokens = section.get("max_tokens")
+    if max_tokens is not None and (not _is_int(max_tokens) or not 1 <= max_tokens <= 10**9):
+        raise _bad(path, "max_tokens is not a positive integer or null")
+    for key in ("excluded_llm_metadata_keys", "excluded_embed_metadata_keys"):
+        keys = section.get(key, [])
+        if (
+            not isinstance(keys, list)
+            or len(keys) > _MAX_LIST
+            or not all(isinstance(k, str) and len(k) <= 1_000 for k in keys)
+        ):
+            raise _bad(path, f"{key} is not a list of metadata key names")
+    out = dict(section)
+    if "strategy_params" in section:
+        out["strategy_params"] = _check_strategy_params(path, strategy, section["strategy_params"])
+    return out
+
+
+def _check_documents(path: Path, section: object) -> list[dict[str, Any]] | None:
+    if section is None:
+        return None
+    if not isinstance(section, list):
+        raise _bad(path, "'documents' is not a list")
+    for i, item in enumerate(section):
+        if (
+            not isinstance(item, dict)
+            or set(item) - {"doc_id", "text", "metadata"}
+            or not isinstance(item.get("doc_id"), str)
+            or not isinstance(item.get("text"), str)
+            or not isinstance(item.get("metadata", {}), dict)
+        ):
+            raise _bad(path, f"document #{i} is not {{doc_id, text, metadata}}")
+    return section
 
 
 def read_params(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read ``raptor_llamaindex.json``; an empty dict when the directory holds only a tree."""
+    """Read and validate ``raptor_llamaindex.json``; an empty dict when there is none.
+
+    The file is data from whoever handed over the directory, so its schema is checked
+    strictly: known keys only, JSON scalars of the right type within bounds, strategy
+    parameters the strategy accepts (never an object such as ``index``), builder parameters
+    from :data:`BUILDER_PARAMS` only.  A ``cache`` directory written by older versions is
+    dropped with a warning: a file never chooses where we write.
+
+    Raises:
+        TreeFormatError: the file is not valid JSON or breaks the schema.
+    """
     path = Path(directory) / PARAMS_FILE
     if not path.is_file():
         return {}
@@ -449,10 +609,24 @@ def read_params(directory: str | os.PathLike[str]) -> dict[str, Any]:
         msg = f"{path} is not a raptor_llamaindex parameter file"
         raise TreeFormatError(msg)
     version = document.get("format_version")
-    if not isinstance(version, int) or not 1 <= version <= _FORMAT_VERSION:
+    if (
+        not isinstance(version, int)
+        or isinstance(version, bool)
+        or not 1 <= version <= _FORMAT_VERSION
+    ):
         msg = (
-            f"{path} has format_version {version!r}; "
+            f"{path} has format_version {str(version)[:40]!r}; "
             f"this raptor_llamaindex reads 1..{_FORMAT_VERSION}"
         )
         raise TreeFormatError(msg)
-    return document
+    unknown = sorted(str(k)[:80] for k in set(document) - _TOP_KEYS)
+    if unknown:
+        raise _bad(path, f"unknown section(s) {unknown}")
+    out: dict[str, Any] = {"format": _FORMAT, "format_version": version}
+    if "retriever" in document:
+        out["retriever"] = _check_retriever(path, document["retriever"])
+    if "builder" in document:
+        out["builder"] = _check_builder(path, document["builder"])
+    if "documents" in document:
+        out["documents"] = _check_documents(path, document["documents"])
+    return out

@@ -39,8 +39,23 @@ def multi_topic_text() -> str:
 @pytest.fixture(scope="session")
 def real_tree(st_embedder, multi_topic_text):
     """A tree built with the real model, UMAP/GMM and the extractive summariser (seed 0)."""
-    from raptor_core.builder import TreeBuilder
+    from raptor_core.build.builder import TreeBuilder
 
     return TreeBuilder(st_embedder, random_state=0).build(
         [{"doc_id": "topics", "text": multi_topic_text, "metadata": {"source": "multi_topic.md"}}]
     )
+
+
+@pytest.fixture(scope="session")
+def chroma_server(tmp_path_factory):
+    """A real Chroma server (``chroma run``) on 127.0.0.1 for the whole session.
+
+    Use ``chroma_server.client()`` for a ``chromadb.HttpClient``; give each test its own
+    collection name.  Skipped when chromadb is not installed.
+    """
+    pytest.importorskip("chromadb")
+    import chroma_server as chroma
+
+    server = chroma.start(tmp_path_factory.mktemp("chroma") / "db")
+    yield server
+    chroma.stop(server)

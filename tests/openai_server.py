@@ -9,7 +9,9 @@ the way OpenAI, vLLM or Ollama would, so the real ``openai`` client can talk to 
   similar, so real clustering over them is meaningful), as floats or base64;
 * knobs: a per-request ``delay``, a fault plan (429 with ``Retry-After``, 500, a response
   slower than the client's timeout, a dropped connection, an empty or truncated completion,
-  401/400/404), a required API key, a model list, and an ``on_request`` hook;
+  401/400/404, and 200 responses with an invalid body: an HTML page, cut JSON, JSON without
+  ``choices``/``data``, non-text content, a wrong count or size of embeddings, non-numbers),
+  a required API key, a model list, and an ``on_request`` hook;
 * it records every request (:class:`Record`) and the peak number of requests in flight.
 
 Use it as a context manager::
@@ -43,6 +45,7 @@ from raptor_core.testing import FakeEmbedder
 __all__ = [
     "CORPUS",
     "FAULTS",
+    "INVALID_BODY_FAULTS",
     "LOCALHOST",
     "FakeOpenAIServer",
     "FaultPlan",
@@ -74,7 +77,23 @@ FAULTS = (
     "403",
     "404",
     "501",
+    *(
+        "html",  # 200 with an HTML page (base_url pointing at a web UI or a login proxy)
+        "bad_json",  # 200 with the right JSON cut in half
+        "no_choices",  # chat: 200 with JSON but no "choices"
+        "bad_content",  # chat: 200 with a number as the message content
+        "no_data",  # embeddings: 200 with JSON but no "data"
+        "wrong_count",  # embeddings: one vector fewer than texts
+        "wrong_dim",  # embeddings: the first vector one value short
+        "not_numbers",  # embeddings: strings instead of numbers
+    ),
 )
+
+#: Faults answered with HTTP 200 and a body the client must reject.
+INVALID_BODY_FAULTS = {
+    "chat": ("html", "bad_json", "no_choices", "bad_content", "empty"),
+    "embeddings": ("html", "bad_json", "no_data", "wrong_count", "wrong_dim", "not_numbers"),
+}
 
 #: ``plan(endpoint, key, attempt) -> fault or None``; ``attempt`` counts earlier requests with
 #: the same body (0 for the first), ``endpoint`` is ``"chat"`` or ``"embeddings"``.
@@ -310,9 +329,19 @@ class FakeOpenAIServer:
         headers: dict[str, str] | None = None,
     ) -> None:
         data = json.dumps(payload).encode("utf-8")
+        FakeOpenAIServer._send_raw(handler, status, data, "application/json", headers)
+
+    @staticmethod
+    def _send_raw(
+        handler: BaseHTTPRequestHandler,
+        status: int,
+        data: bytes,
+        content_type: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         try:
             handler.send_response(status)
-            handler.send_header("Content-Type", "application/json")
+            handler.send_header("Content-Type", content_type)
             handler.send_header("Content-Length", str(len(data)))
             for name, value in (headers or {}).items():
                 handler.send_header(name, value)
@@ -426,19 +455,35 @@ class FakeOpenAIServer:
         payload = self._chat(body, fault) if endpoint == "chat" else self._embeddings(body, fault)
         record.status = 200
         record.ok = fault is None
-        self._send(handler, 200, payload)
+        if fault == "html":
+            page = b"<!DOCTYPE html><html><head><title>Sign in</title></head><body>Sign in</body></html>"
+            self._send_raw(handler, 200, page, "text/html; charset=utf-8")
+        elif fault == "bad_json":
+            data = json.dumps(payload).encode("utf-8")
+            self._send_raw(handler, 200, data[: len(data) // 2], "application/json")
+        else:
+            self._send(handler, 200, payload)
 
     def _chat(self, body: dict[str, Any], fault: str | None) -> dict[str, Any]:
         messages = body.get("messages") or []
         prompt = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
         limit = body.get("max_tokens") or body.get("max_completion_tokens")
-        content = self.completion(prompt, limit)
+        content: Any = self.completion(prompt, limit)
         finish = "stop"
-        if fault == "empty":
+        if fault == "no_choices":
+            return {
+                "id": "chatcmpl-broken",
+                "object": "chat.completion",
+                "model": body.get("model"),
+            }
+        if fault == "bad_content":
+            content = 42
+        elif fault == "empty":
             content = ""
         elif fault == "truncated":
             content, finish = " ".join(content.split()[:3]), "length"
         prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
+        completion_tokens = len(str(content).split())
         return {
             "id": f"chatcmpl-{hashlib.sha256(prompt.encode()).hexdigest()[:12]}",
             "object": "chat.completion",
@@ -453,8 +498,8 @@ class FakeOpenAIServer:
             ],
             "usage": {
                 "prompt_tokens": prompt_tokens,
-                "completion_tokens": len(content.split()),
-                "total_tokens": prompt_tokens + len(content.split()),
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
             },
         }
 
@@ -463,12 +508,23 @@ class FakeOpenAIServer:
         texts = [] if fault == "empty" else [raw] if isinstance(raw, str) else list(raw)
         data = []
         for i, text in enumerate(texts):
-            vector = fake_embedding(str(text), self.dim).astype("<f4")
+            vector = fake_embedding(str(text), int(body.get("dimensions") or self.dim)).astype(
+                "<f4"
+            )
             if body.get("encoding_format") == "base64":
                 value: Any = base64.b64encode(vector.tobytes()).decode("ascii")
             else:
                 value = [float(x) for x in vector]
             data.append({"object": "embedding", "index": i, "embedding": value})
+        if fault == "no_data":
+            return {"object": "list", "model": body.get("model", "")}
+        if fault == "wrong_count":
+            data = data[:-1]
+        elif fault == "wrong_dim" and data:
+            data[0]["embedding"] = data[0]["embedding"][:-1]
+        elif fault == "not_numbers":
+            for item in data:
+                item["embedding"] = [str(x) for x in item["embedding"]]
         data.reverse()  # clients must order by "index", not by position
         tokens = sum(len(str(t).split()) for t in texts)
         return {
@@ -518,7 +574,7 @@ def openai_builder(
     Fast retries (backoff 10 ms) and a whitespace tokenizer keep the tests short.
     """
     from raptor_core.backends.openai import OpenAIEmbedder, OpenAISummarizer
-    from raptor_core.builder import TreeBuilder
+    from raptor_core.build.builder import TreeBuilder
     from raptor_core.testing import WhitespaceTokenizer
 
     retry: dict[str, Any] = {

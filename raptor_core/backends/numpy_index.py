@@ -95,7 +95,7 @@ class NumpyIndex:
             k: number of results; fewer come back when fewer vectors qualify.
             restrict_to: search only these ids (unknown ids are ignored).
         """
-        from raptor_core.retrieval import top_rows
+        from raptor_core.retrieval.base import top_rows
 
         k = check_k(k)
         if not self._ids:
@@ -118,14 +118,12 @@ class NumpyIndex:
 
 
 def _add_tree(index: VectorIndex, tree: Tree, layers: Collection[int] | None) -> None:
-    from raptor_core._structure import structure
-
-    rows, block = structure(tree).block(layers)
-    if rows is None:
+    if layers is None:
         ids = [n.id for n in tree.nodes]
         vectors = tree.embeddings
     else:
+        rows = np.sort(np.concatenate([tree.layer_rows(x) for x in sorted(set(layers))]))
         ids = [tree.nodes[int(r)].id for r in rows]
-        vectors = tree.embeddings[block] if block is not None else tree.embeddings[rows]
+        vectors = tree.embeddings[rows]
     if ids:
         index.add(ids, vectors)

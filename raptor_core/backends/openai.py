@@ -9,8 +9,10 @@ Three thin classes over the official ``openai`` client:
   over ``/embeddings``, ``batch_size`` texts per request.
 
 Retries are done here, not by the client (its ``max_retries`` is 0), because a build needs
-more than it offers: ``Retry-After`` honoured to the letter, empty completions retried,
-jittered exponential backoff, and typed errors that say what to fix.  A build of hundreds of
+more than it offers: ``Retry-After`` honoured to the letter, a 200 whose body is not a
+usable answer (an HTML page, cut JSON, no ``choices``, an empty completion, embeddings of the
+wrong count or size) retried like a 5xx, jittered exponential backoff, and typed errors that
+say what to fix.  A build of hundreds of
 clusters meets a few 429s and 5xx on any hosted service; each is retried, and only an error
 that retrying cannot fix (a bad key, an unknown model) stops the build at once.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import json
 import logging
 import math
 import os
@@ -36,17 +39,19 @@ import numpy as np
 from numpy.typing import NDArray
 
 from raptor_core._imports import require
+from raptor_core.build.summarizers import LLMSummarizer
 from raptor_core.exceptions import (
     EmbeddingError,
+    EmbeddingResponseError,
     InvalidInputError,
     InvalidParameterError,
     LLMAuthenticationError,
     LLMError,
     LLMRequestError,
+    LLMResponseError,
     LLMTimeoutError,
     RaptorError,
 )
-from raptor_core.summarizers import LLMSummarizer
 from raptor_core.types import DEFAULT_SUMMARY_PROMPT
 
 __all__ = [
@@ -124,12 +129,32 @@ class Usage:
         self._counts = dict(state)
 
 
-class _EmptyAnswer(Exception):
-    """The service answered, but with nothing usable (retried like a transient failure)."""
+class _InvalidResponse(Exception):
+    """The service answered 200, but with nothing usable (retried like a 5xx)."""
 
     def __init__(self, what: str, fix: str) -> None:
         super().__init__(what)
         self.fix = fix
+
+
+_FIX_BASE_URL = (
+    "check that base_url is the API root (it usually ends with /v1), not a web page, and that "
+    "no proxy in between rewrites the answers"
+)
+_FIX_BROKEN = "the server or a proxy sent a cut or broken body: check its logs, or retry later"
+
+
+def _not_json(body: str) -> _InvalidResponse:
+    """The client hands back a non-JSON body (an HTML page, plain text) as a string."""
+    snippet = " ".join(body.split())[:60]
+    return _InvalidResponse(f"a body that is not JSON: {snippet!r}", _FIX_BASE_URL)
+
+
+def _tokens(value: object) -> int:
+    """A token count from a response's ``usage`` (0 when absent or not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return 0
+    return value
 
 
 class _OpenAIService:
@@ -137,6 +162,8 @@ class _OpenAIService:
 
     _kind = "OpenAI service"
     _usage_fields: ClassVar[tuple[str, ...]] = Usage.FIELDS
+    #: Raised when every attempt got a 200 with an invalid body.
+    _invalid_error: ClassVar[type[RaptorError]] = LLMResponseError
     #: Parameters that change how a call is made, not what it returns (left out of cache keys).
     cache_ignore: ClassVar[frozenset[str]] = frozenset(
         {"base_url", "timeout", "max_retries", "backoff", "max_backoff", "max_concurrency"}
@@ -297,10 +324,16 @@ class _OpenAIService:
         where = self._where()
         attempts = attempt + 1
         retry_after: float | None = None
-        if isinstance(exc, _EmptyAnswer):
+        if isinstance(exc, json.JSONDecodeError | UnicodeDecodeError):
+            # The client parses a body declared as JSON; it was not (cut off, or garbage).
+            exc = _InvalidResponse("a body that is not valid JSON", _FIX_BROKEN)
+        elif isinstance(exc, openai.APIResponseValidationError):
+            exc = _InvalidResponse("a body that does not fit the API's schema", _FIX_BASE_URL)
+        if isinstance(exc, _InvalidResponse):
             reason = str(exc)
-            final: RaptorError = LLMError(
-                f"{where} returned {reason} on all {attempts} attempts: {exc.fix}"
+            final: RaptorError = self._invalid_error(
+                f"{where} returned an invalid response ({exc}) on all {attempts} attempts: "
+                f"{exc.fix}"
             )
         elif isinstance(exc, openai.APITimeoutError):
             reason = f"no answer within {self.timeout}s"
@@ -349,7 +382,7 @@ class _OpenAIService:
             raise exc
         if attempt >= self.max_retries:
             raise final from (
-                exc if isinstance(exc, _EmptyAnswer) or not self._leaks(exc) else None
+                exc if isinstance(exc, _InvalidResponse) or not self._leaks(exc) else None
             )
         delay = self._delay(attempt, retry_after)
         self.usage.add(retries=1)
@@ -461,6 +494,53 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
+_FIX_EMBEDDINGS_API = "check that the server at base_url speaks the OpenAI embeddings API"
+
+
+def _parse_embeddings(response: Any, n: int, expected: int | None) -> NDArray[np.float32]:
+    """The ``(n, d)`` vectors of an embeddings response, in input order.
+
+    Raises:
+        _InvalidResponse: no ``data`` list, a wrong count, bad indices, non-numbers, sizes
+            that differ (from each other or from ``expected``), NaN or infinite values.
+    """
+    data = getattr(response, "data", None)
+    if not isinstance(data, list):
+        raise _InvalidResponse("JSON without a 'data' list", _FIX_EMBEDDINGS_API)
+    if len(data) != n:
+        raise _InvalidResponse(
+            f"{len(data)} embeddings for {n} texts",
+            "check that the model is an embedding model and that the server accepts batches",
+        )
+    indices = [getattr(item, "index", None) for item in data]
+    order = [i for i in indices if isinstance(i, int) and not isinstance(i, bool)]
+    if all(i is None for i in indices):
+        order = list(range(n))  # some servers omit "index": trust the order
+    elif sorted(order) != list(range(n)):
+        raise _InvalidResponse(f"embedding indices {indices[:8]}, not 0..{n - 1}", _FIX_BROKEN)
+    rows: list[Any] = [None] * n
+    for position, item in zip(order, data, strict=True):
+        vector = np.asarray(getattr(item, "embedding", None))
+        # kind f/i/u: numbers; strings ("U"), None or mixed ("O") and booleans are not.
+        if vector.ndim != 1 or vector.dtype.kind not in "fiu":
+            raise _InvalidResponse(
+                "an embedding that is not a list of numbers", _FIX_EMBEDDINGS_API
+            )
+        rows[position] = vector
+    sizes = sorted({int(v.shape[0]) for v in rows})
+    if len(sizes) > 1 or sizes[0] == 0 or (expected is not None and sizes != [expected]):
+        wanted = f", expected {expected}" if expected is not None else ""
+        raise _InvalidResponse(
+            f"embeddings of size {', '.join(map(str, sizes))}{wanted}",
+            "check that every request reaches the same embedding model (and that it supports "
+            "the dimensions asked for)",
+        )
+    arr = np.stack(rows).astype(np.float32)
+    if not np.all(np.isfinite(arr)):
+        raise _InvalidResponse("embeddings with NaN or infinite values", _FIX_BROKEN)
+    return arr
+
+
 class OpenAIChatLLM(_OpenAIService):
     """An :class:`~raptor_core.types.LLM` over an OpenAI-compatible ``/chat/completions``.
 
@@ -480,8 +560,9 @@ class OpenAIChatLLM(_OpenAIService):
             warning and counted in ``usage`` (``"retry"``); kept at once (``"keep"``); or
             retried once, then raised as :class:`LLMError` (``"error"``).
         timeout: seconds to wait for one answer.
-        max_retries: retries after a 429, a 5xx, a timeout, a dropped connection or an
-            empty answer; 401/403/400/404 are never retried.
+        max_retries: retries after a 429, a 5xx, a timeout, a dropped connection or a 200
+            with an invalid body (not JSON, no ``choices``, empty content); 401/403/400/404
+            are never retried.
         backoff: first backoff step in seconds; doubles at each retry up to ``max_backoff``.
         max_backoff: cap of one backoff step (``Retry-After`` is honoured as sent).
 
@@ -568,26 +649,39 @@ class OpenAIChatLLM(_OpenAIService):
         return request
 
     def _answer(self, response: Any, attempts: _AttemptCounter) -> str:
+        if isinstance(response, str):
+            raise _not_json(response)
         usage = getattr(response, "usage", None)
         self.usage.add(
-            prompt_tokens=getattr(usage, "prompt_tokens", 0) or 0,
-            completion_tokens=getattr(usage, "completion_tokens", 0) or 0,
+            prompt_tokens=_tokens(getattr(usage, "prompt_tokens", 0)),
+            completion_tokens=_tokens(getattr(usage, "completion_tokens", 0)),
         )
-        choices = getattr(response, "choices", None) or []
-        message = getattr(choices[0], "message", None) if choices else None
+        # The client builds its response objects without validation: check every field used.
+        choices = getattr(response, "choices", None)
+        if not isinstance(choices, list) or not choices:
+            raise _InvalidResponse(
+                "JSON without a 'choices' list",
+                "check that the server at base_url speaks the OpenAI chat completions API",
+            )
+        message = getattr(choices[0], "message", None)
         content = getattr(message, "content", None)
-        if not isinstance(content, str) or not content.strip():
-            raise _EmptyAnswer(
+        if content is not None and not isinstance(content, str):
+            raise _InvalidResponse(
+                f"a completion whose content is {type(content).__name__}, not text",
+                "check that the server at base_url speaks the OpenAI chat completions API",
+            )
+        if not content or not content.strip():
+            raise _InvalidResponse(
                 "an empty completion",
                 "check that the model is a chat model and that the prompt fits its context",
             )
-        truncated = choices[0].finish_reason == "length"
+        truncated = getattr(choices[0], "finish_reason", None) == "length"
         if truncated and self.on_truncated != "keep":
             # One more try (a sampled answer may fit, a glitch may pass); more would mostly pay
             # for the same cut text again at temperature 0.
             if attempts.truncated < _TRUNCATION_RETRIES and not attempts.last():
                 attempts.truncated += 1
-                raise _EmptyAnswer("a completion cut at max_tokens", "")
+                raise _InvalidResponse("a completion cut at max_tokens", "")
             if self.on_truncated == "error":
                 msg = (
                     f"{self._where()} cut the completion at max_tokens (finish_reason='length') "
@@ -607,8 +701,10 @@ class OpenAIChatLLM(_OpenAIService):
         Raises:
             LLMAuthenticationError: the key was rejected (401/403) or no key is set.
             LLMRequestError: unknown model or bad parameter (400/404/422).
+            LLMResponseError: every attempt got a 200 with an invalid body (a subclass of
+                ``LLMRequestError``).
             LLMTimeoutError: no answer within ``timeout`` after all retries.
-            LLMError: other failures after all retries, or empty answers only.
+            LLMError: other failures after all retries.
         """
         request = self._request(prompt, max_tokens)
         client = self._sync_client()
@@ -761,6 +857,8 @@ class OpenAIEmbedder(_OpenAIService):
 
     _kind = "embedding model"
     _usage_fields = ("requests", "calls", "prompt_tokens", "retries")
+    _invalid_error = EmbeddingResponseError
+    _dim: int | None = None  # the vector size of the first valid answer
 
     def __init__(
         self,
@@ -832,23 +930,15 @@ class OpenAIEmbedder(_OpenAIService):
         return request
 
     def _vectors(self, response: Any, n: int) -> NDArray[np.float32]:
+        if isinstance(response, str):
+            raise _not_json(response)
         usage = getattr(response, "usage", None)
-        self.usage.add(prompt_tokens=getattr(usage, "prompt_tokens", 0) or 0)
-        data = list(getattr(response, "data", None) or [])
-        if len(data) != n:
-            raise _EmptyAnswer(
-                f"{len(data)} embeddings for {n} texts",
-                "check that the model is an embedding model and that the server accepts batches",
-            )
-        data.sort(key=lambda item: item.index)
-        try:
-            arr = np.asarray([item.embedding for item in data], dtype=np.float32)
-        except (TypeError, ValueError) as exc:
-            msg = f"{self._where()} returned malformed embeddings: {exc}"
-            raise EmbeddingError(msg) from exc
-        if arr.ndim != 2 or arr.shape[1] == 0:
-            msg = f"{self._where()} returned embeddings of shape {arr.shape} for {n} texts"
-            raise EmbeddingError(msg)
+        self.usage.add(prompt_tokens=_tokens(getattr(usage, "prompt_tokens", 0)))
+        # Vectors must have the requested size, or the size this instance got before: a
+        # server that switches models mid-build would otherwise mix incomparable vectors.
+        expected = self.dimensions if self.dimensions is not None else self._dim
+        arr = _parse_embeddings(response, n, expected)
+        self._dim = int(arr.shape[1])
         self.usage.add(calls=1)
         return arr
 
@@ -878,7 +968,14 @@ class OpenAIEmbedder(_OpenAIService):
         return np.concatenate(parts)
 
     def embed_documents(self, texts: Sequence[str]) -> NDArray[np.float32]:
-        """Embed texts; ``(len(texts), d)`` float32."""
+        """Embed texts; ``(len(texts), d)`` float32.
+
+        Raises:
+            EmbeddingResponseError: every attempt got a 200 with invalid embeddings (not
+                JSON, no ``data``, a wrong count or size, non-numbers, NaN).
+            LLMAuthenticationError, LLMRequestError, LLMTimeoutError, LLMError: as
+                :meth:`OpenAIChatLLM.complete`.
+        """
         batches = list(self._batches(texts))
         if len(batches) <= 1 or self.max_concurrency == 1:
             return self._stack([self._embed_batch(b) for b in batches])

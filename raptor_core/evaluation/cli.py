@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from raptor_core._argtypes import MAX_SEED, int_range
 from raptor_core.exceptions import InvalidParameterError
 
 __all__ = ["add_eval_parser"]
@@ -59,11 +60,14 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="one tree per document (default) or one over all",
     )
     p.add_argument(
-        "--limit-docs", type=int, default=None, help="use the first N documents that have questions"
+        "--limit-docs",
+        type=int_range(1),
+        default=None,
+        help="use the first N documents that have questions",
     )
     p.add_argument(
         "--limit-questions",
-        type=int,
+        type=int_range(1),
         default=None,
         help="use N questions, round-robin over documents",
     )
@@ -73,7 +77,10 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="output directory (default ./raptor-eval); trees are cached in OUT/trees",
     )
     p.add_argument(
-        "--seed", type=int, default=0, help="random_state of the tree builds (default 0)"
+        "--seed",
+        type=int_range(0, MAX_SEED),
+        default=0,
+        help="random_state of the tree builds (default 0)",
     )
     p.add_argument(
         "--embed-model",
@@ -81,7 +88,10 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="sentence-transformers model (default: packaged all-MiniLM-L6-v2)",
     )
     p.add_argument(
-        "--chunk-tokens", type=int, default=100, help="leaf chunk size (default 100, the paper's)"
+        "--chunk-tokens",
+        type=int_range(1),
+        default=100,
+        help="leaf chunk size (default 100, the paper's)",
     )
     p.add_argument(
         "--no-cache", action="store_true", help="rebuild trees even when OUT/trees has them"
@@ -161,7 +171,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if llm is None:
             msg = "--llm-summaries needs --llm openai"
             raise InvalidParameterError(msg)
-        from raptor_core.summarizers import LLMSummarizer
+        from raptor_core.build.summarizers import LLMSummarizer
 
         summarizer = LLMSummarizer(llm)
     names = (

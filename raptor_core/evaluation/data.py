@@ -8,6 +8,7 @@ metadata).  Questions: ``doc_id``, ``question``, and any of ``answers``, ``evide
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -19,7 +20,18 @@ from raptor_core.evaluation.metrics import section_texts, turn_texts
 from raptor_core.exceptions import InvalidInputError
 from raptor_core.types import Document
 
-__all__ = ["Question", "gold_units", "load_documents", "load_questions", "select"]
+__all__ = [
+    "HOLDOUT_SPLITS",
+    "Question",
+    "gold_units",
+    "holdout_split",
+    "load_documents",
+    "load_questions",
+    "select",
+]
+
+#: The two halves of :func:`holdout_split`.
+HOLDOUT_SPLITS = ("dev", "held-out")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -284,3 +296,17 @@ def select(
         chosen.sort(key=lambda q: order[q.question_id])
     used = {q.doc_id for q in chosen}
     return [d for d in docs if d.doc_id in used], chosen
+
+
+def holdout_split(doc_id: str) -> str:
+    """``"dev"`` or ``"held-out"``: a fixed half of the documents, chosen by a hash of the id.
+
+    Tune retrieval on the ``"dev"`` documents only and report the ``"held-out"`` ones
+    separately: the split depends on nothing but the id, so it is the same in every run,
+    for every subset of a data set, and for documents added later.
+
+    Examples:
+        >>> holdout_split("qasper_dev_1603.01514") in HOLDOUT_SPLITS
+        True
+    """
+    return HOLDOUT_SPLITS[hashlib.sha256(doc_id.encode("utf-8")).digest()[0] % 2]

@@ -14,9 +14,19 @@ from pathlib import Path
 from typing import IO, Any
 
 from raptor_core._imports import require
-from raptor_core.evaluation.runner import EvalResult
+from raptor_core.evaluation.runner import FLAT_BASELINES, EvalResult
 
-__all__ = ["LABELS", "format_table", "plot_recall", "print_table", "to_markdown", "write_json"]
+__all__ = [
+    "LABELS",
+    "best_flat",
+    "default_retriever",
+    "format_table",
+    "margin",
+    "plot_recall",
+    "print_table",
+    "to_markdown",
+    "write_json",
+]
 
 #: Short column labels of the metrics.
 LABELS = {
@@ -29,6 +39,48 @@ LABELS = {
 
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _signed(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.3f}"
+
+
+def best_flat(
+    result: EvalResult,
+    budget: int,
+    metric: str,
+    *,
+    baselines: Sequence[str] = FLAT_BASELINES,
+) -> tuple[str, float] | None:
+    """The strongest flat baseline on ``metric`` at ``budget``: ``(name, score)``.
+
+    Only baselines that ran and could be scored count; None when there are none.  Ties go
+    to the baseline listed first in ``baselines``.
+    """
+    best: tuple[str, float] | None = None
+    for name in baselines:
+        if name not in result.retrievers:
+            continue
+        value = result.score(name, budget, metric)
+        if value is not None and (best is None or value > best[1]):
+            best = (name, value)
+    return best
+
+
+def margin(result: EvalResult, retriever: str, budget: int, metric: str) -> float | None:
+    """``retriever``'s score minus the best flat baseline's (positive: the retriever wins)."""
+    best = best_flat(result, budget, metric)
+    if best is None or retriever not in result.retrievers:
+        return None
+    value = result.score(retriever, budget, metric)
+    return None if value is None else value - best[1]
+
+
+def default_retriever(result: EvalResult) -> str | None:
+    """The default RAPTOR strategy's name when it is part of ``result``, else None."""
+    from raptor_core.retrieval.registry import DEFAULT_STRATEGY
+
+    return DEFAULT_STRATEGY if DEFAULT_STRATEGY in result.retrievers else None
 
 
 def _table_rows(result: EvalResult) -> tuple[list[str], list[list[str]]]:
@@ -75,6 +127,19 @@ def _notes(result: EvalResult) -> list[str]:
             f"query embedding: {max(embeds):.1f} ms p50, once per question and shared by all "
             "retrievers (not in their latency)"
         )
+    default = default_retriever(result)
+    for metric in result.metrics:
+        cells = []
+        for budget in result.budgets:
+            best = best_flat(result, budget, metric)
+            if best is None:
+                continue
+            text = f"@{budget} {best[1]:.3f} ({best[0]})"
+            if default is not None:
+                text += f", {default} {_signed(margin(result, default, budget, metric))}"
+            cells.append(text)
+        if cells:
+            notes.append(f"best flat baseline, {LABELS.get(metric, metric)}: " + "; ".join(cells))
     notes.extend(f"skipped {name}: {reason}" for name, reason in result.skipped.items())
     return notes
 
@@ -126,6 +191,10 @@ def write_json(result: EvalResult, path: str | os.PathLike[str]) -> Path:
 def to_markdown(result: EvalResult, *, metrics: Sequence[str] | None = None) -> str:
     """A markdown table: one row per retriever, ``metric @budget`` columns, then latency.
 
+    When flat baselines ran, two rows follow: the best flat baseline per column (the
+    strongest of :data:`~raptor_core.evaluation.runner.FLAT_BASELINES`, named), and the
+    default strategy's margin over it.
+
     Args:
         result: the run.
         metrics: which metrics to show (default: all that have data).
@@ -144,6 +213,18 @@ def to_markdown(result: EvalResult, *, metrics: Sequence[str] | None = None) -> 
         cells.append(f"{result.score(name, budgets[-1], 'context_tokens') or 0:.0f}")
         cells.append(f"{result.score(name, budgets[-1], 'latency_ms_p50') or 0:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
+    if any(best_flat(result, b, m) is not None for m in metrics for b in budgets):
+        cells = ["**best flat baseline**"]
+        for m in metrics:
+            for b in budgets:
+                best = best_flat(result, b, m)
+                cells.append("-" if best is None else f"{best[1]:.3f} ({best[0]})")
+        lines.append("| " + " | ".join([*cells, "", ""]) + " |")
+        default = default_retriever(result)
+        if default is not None:
+            cells = [f"**{default} − best flat**"]
+            cells += [_signed(margin(result, default, b, m)) for m in metrics for b in budgets]
+            lines.append("| " + " | ".join([*cells, "", ""]) + " |")
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ The flow of :func:`evaluate`:
 A retriever here is anything with ``retrieve(question, *, max_tokens) -> list[str]``
 (:class:`ContextRetriever`); a :class:`RetrieverSpec` names a factory that builds one from
 an :class:`EvalCorpus`.  Names resolve to the RAPTOR strategies, the core baselines
-(``bm25``, ``dense``), baselines that other packages register under the entry-point group
+(``bm25``, ``dense``, ``fusion``), baselines that other packages register under the entry-point group
 ``raptor.eval_baselines`` (the LlamaIndex and LangChain default retrievers), or a dotted
 path ``package.module:Factory``.
 """
@@ -61,6 +61,7 @@ __all__ = [
     "BASELINE_ENTRY_POINTS",
     "CORE_BASELINES",
     "DEFAULT_BUDGETS",
+    "FLAT_BASELINES",
     "METRICS",
     "ContextRetriever",
     "EvalCorpus",
@@ -169,7 +170,7 @@ class _HitsRetriever:
     def retrieve(self, question: str, *, max_tokens: int) -> list[str]:
         retriever = self._by_budget.get(max_tokens)
         if retriever is None:
-            from raptor_core.strategies import make_retriever
+            from raptor_core.retrieval.registry import make_retriever
 
             retriever = make_retriever(
                 self.strategy,
@@ -187,7 +188,7 @@ class RaptorStrategy:
     """Factory of a RAPTOR retrieval strategy over each corpus's tree.
 
     Args:
-        strategy: a name of :data:`raptor_core.strategies.STRATEGIES`.
+        strategy: a name of :data:`raptor_core.retrieval.registry.STRATEGIES`.
         **params: the strategy's parameters (``k`` defaults to unbounded: the budget
             decides; traversal's ``top_k`` scales with the budget unless given).
     """
@@ -240,13 +241,21 @@ class QueryCachingEmbedder:
 
 
 def _core_baselines() -> dict[str, RetrieverFactory]:
-    from raptor_core.evaluation.baselines import BM25Baseline, DenseBaseline
+    from raptor_core.evaluation.baselines import BM25Baseline, DenseBaseline, FusionBaseline
 
-    return {"bm25": BM25Baseline, "dense": DenseBaseline}
+    return {"bm25": BM25Baseline, "dense": DenseBaseline, "fusion": FusionBaseline}
 
 
 #: Names of the baselines that ship with raptor_core.
-CORE_BASELINES: tuple[str, ...] = ("bm25", "dense")
+CORE_BASELINES: tuple[str, ...] = ("bm25", "dense", "fusion")
+#: The flat retrievers a RAPTOR strategy has to beat: the core baselines over the tree's own
+#: chunks and the two frameworks' default retrievers with their own default chunking.  The
+#: report's "best flat baseline" is the strongest of those that ran.
+FLAT_BASELINES: tuple[str, ...] = (
+    *CORE_BASELINES,
+    "llamaindex-vector-default-chunking",
+    "langchain-inmemory-default-chunking",
+)
 _NEEDS_LLM = ("llm", "hybrid")
 #: Named variants of RAPTOR strategies: name -> (strategy, parameters).
 RAPTOR_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -265,7 +274,7 @@ def available_retrievers(*, llm: bool = False) -> list[str]:
 
     ``llm`` and ``hybrid`` are included only when ``llm`` is true (they need one).
     """
-    from raptor_core.strategies import STRATEGIES
+    from raptor_core.retrieval.registry import STRATEGIES
 
     names = [s for s in STRATEGIES if llm or s not in _NEEDS_LLM]
     return [*names, *RAPTOR_VARIANTS, *CORE_BASELINES, *_entry_points()]
@@ -291,7 +300,7 @@ def resolve_retrievers(
 ) -> tuple[list[RetrieverSpec], dict[str, str]]:
     """Turn names into specs; return them and the skipped ones with the reason.
 
-    Accepted names: the RAPTOR strategies, ``bm25``, ``dense``, the entry points of
+    Accepted names: the RAPTOR strategies, ``bm25``, ``dense``, ``fusion``, the entry points of
     :data:`BASELINE_ENTRY_POINTS`, ``package.module:Factory`` or ``label=package.module:Factory``.
     A baseline whose framework is not installed, or an LLM strategy without an LLM, is
     skipped (with the reason), not an error.
@@ -299,7 +308,7 @@ def resolve_retrievers(
     Raises:
         InvalidParameterError: an unknown name, a duplicate, or an unloadable dotted path.
     """
-    from raptor_core.strategies import STRATEGIES
+    from raptor_core.retrieval.registry import STRATEGIES
 
     requested = list(available_retrievers(llm=llm is not None) if names is None else names)
     core = _core_baselines()
@@ -353,7 +362,7 @@ def resolve_retrievers(
 
 # -- trees ---------------------------------------------------------------------------------------
 def _describe(component: object) -> Any:
-    from raptor_core.builder import describe
+    from raptor_core.build.builder import describe
 
     return None if component is None else describe(component)
 
@@ -412,10 +421,19 @@ def _tree_for(
     directory = None if cache is None else cache / _slug(name)
     if directory is not None and (directory / _CACHE_KEY_FILE).is_file():
         try:
+            # Data only: the key is compared, the seconds reported; nothing in the file picks
+            # code or a path (the retrievers and the embedder come from the caller).
             meta = json.loads((directory / _CACHE_KEY_FILE).read_text(encoding="utf-8"))
-            if meta.get("key") == key:
+            seconds = meta.get("build_seconds", 0.0) if isinstance(meta, dict) else None
+            if (
+                isinstance(meta, dict)
+                and meta.get("key") == key
+                and isinstance(seconds, int | float)
+                and not isinstance(seconds, bool)
+                and math.isfinite(seconds)
+            ):
                 tree = Tree.load(directory)
-                return tree, float(meta.get("build_seconds", 0.0)), True
+                return tree, float(seconds), True
         except (OSError, ValueError, TreeFormatError) as exc:
             logger.warning("ignoring the cached tree in %s: %s", directory, exc)
     started = time.perf_counter()
@@ -487,6 +505,30 @@ class EvalResult:
                 return None if value is None else float(value)
         msg = f"no result for retriever {retriever!r} at budget {budget}"
         raise KeyError(msg)
+
+    def restrict(self, doc_ids: Iterable[str]) -> EvalResult:
+        """The same run scored on the questions about ``doc_ids`` only (summary recomputed).
+
+        Used to report a development half and a held-out half of the documents separately
+        (:func:`~raptor_core.evaluation.data.holdout_split`).
+        """
+        keep = set(doc_ids)
+        rows = [r for r in self.rows if r["doc_id"] in keep]
+        budgets = sorted({int(r["budget"]) for r in rows})
+        names = [n for n in self.retrievers if any(r["retriever"] == n for r in rows)]
+        config = {
+            **self.config,
+            "documents": len({r["doc_id"] for r in rows}),
+            "questions": len({r["question_id"] for r in rows}),
+        }
+        return EvalResult(
+            config=config,
+            rows=rows,
+            summary=_summarize(rows, names, budgets),
+            builds=self.builds,
+            skipped=self.skipped,
+            environment=self.environment,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (what ``results.json`` holds)."""
@@ -599,7 +641,7 @@ def evaluate(
         summarizer: the tree's summariser (default: the offline extractive one).
         tokenizer: counts budget tokens and builds chunks (default: ``cl100k_base``).
         llm: enables the ``llm`` and ``hybrid`` strategies.
-        builder_params: extra :class:`~raptor_core.builder.TreeBuilder` parameters
+        builder_params: extra :class:`~raptor_core.build.builder.TreeBuilder` parameters
             (``chunk_max_tokens``, ``max_layers``, ...).
         cache_dir: trees are saved under ``cache_dir/<doc_id>`` and reused by later runs
             with the same documents, models and parameters.
@@ -617,7 +659,7 @@ def evaluate(
         InvalidInputError: no questions, or a question about a document not given.
         InvalidParameterError: a bad budget, ``tree_per`` or retriever name.
     """
-    from raptor_core.builder import TreeBuilder
+    from raptor_core.build.builder import TreeBuilder
     from raptor_core.tokenizers import default_tokenizer
 
     budgets = _check_budgets(budgets)

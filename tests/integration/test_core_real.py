@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from raptor_core.builder import TreeBuilder
+from raptor_core.build.builder import TreeBuilder
 from raptor_core.retrieval import CollapsedTreeRetriever
 from raptor_core.tokenizers import count_tokens
 from raptor_core.tree import Tree
@@ -54,7 +54,7 @@ def test_recursive_reclustering_keeps_summary_inputs_small(
 
 
 def test_extractive_summaries_are_real_sentences(real_tree: Tree) -> None:
-    from raptor_core.chunking import split_sentences
+    from raptor_core.build.chunking import split_sentences
 
     for node in real_tree.layer(1):
         children = [c.text for c in real_tree.children(node.id)]

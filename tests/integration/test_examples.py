@@ -34,6 +34,7 @@ def test_every_example_is_tested() -> None:
         "03_llamaindex.py",
         "04_langchain.py",
         "05_persist_and_load.py",
+        "07_langchain_chroma.py",
     ]
 
 
@@ -87,3 +88,13 @@ def test_05_persist_and_load() -> None:
     proc = _run("05_persist_and_load.py")
     assert proc.returncode == 0, proc.stderr
     assert "damaged tree refused" in proc.stdout
+
+
+def test_07_langchain_chroma_against_the_server(chroma_server) -> None:  # type: ignore[no-untyped-def]
+    env = {"CHROMA_HOST": chroma_server.host, "CHROMA_PORT": str(chroma_server.port)}
+    proc = _run("07_langchain_chroma.py", env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "into Chroma collection" in proc.stdout
+    assert "Chroma.similarity_search" in proc.stdout
+    # The example removes its collection from a shared server.
+    assert not [c for c in chroma_server.client().list_collections() if "essays-raptor" in c.name]

@@ -1,5 +1,7 @@
 """RaptorRetriever against LangChain's standard retriever suite, with the real local model.
 
+Over an in-memory tree here; over a Chroma server in tests/integration/test_langchain_chroma.py.
+
 The tree is the session's ``real_tree`` (tests/data/multi_topic.md, built once with the
 packaged all-MiniLM-L6-v2, UMAP/GMM and the extractive summariser).  Queries go through a
 plain LangChain ``Embeddings`` over the same model, as a langchain-huggingface user's would.
@@ -70,6 +72,12 @@ class TestRaptorRetrieverStandardValue(TestRaptorRetrieverStandard):
     @property
     def retriever_constructor_params(self) -> dict[str, Any]:
         return {**self._params, "strategy": "value"}
+
+
+class TestRaptorRetrieverStandardMMR(TestRaptorRetrieverStandard):
+    @property
+    def retriever_constructor_params(self) -> dict[str, Any]:
+        return {**self._params, "search_type": "mmr"}
 
 
 @pytest.fixture

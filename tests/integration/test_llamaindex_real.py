@@ -140,7 +140,8 @@ def test_custom_base_embedding_drives_the_build(
 
 
 def test_query_engine_answers_with_nodes_from_several_layers(index: RaptorIndex) -> None:
-    engine = index.as_query_engine(llm=MockLLM())
+    # Collapsed (by name: the default returns passages of leaves) mixes summaries and leaves.
+    engine = index.as_query_engine(llm=MockLLM(), strategy="collapsed")
     response = engine.query("How do honeybees tell each other where flowers are?")
     assert str(response)
     layers = {n.node.metadata["raptor_layer"] for n in response.source_nodes}
@@ -184,7 +185,9 @@ def test_persist_load_gives_identical_results(
 
 
 def test_similarity_top_k_larger_than_the_tree(index: RaptorIndex) -> None:
-    nodes = index.as_retriever(similarity_top_k=10_000, max_tokens=None).retrieve("bread")
+    nodes = index.as_retriever(
+        similarity_top_k=10_000, max_tokens=None, strategy="collapsed"
+    ).retrieve("bread")
     # Every node once; summaries that only carry a single child up are not repeated.
     original = [
         n.id
@@ -192,6 +195,9 @@ def test_similarity_top_k_larger_than_the_tree(index: RaptorIndex) -> None:
         if not carried
     ]
     assert sorted(n.node.node_id for n in nodes) == sorted(original)
+    # The default (passage) strategy without a budget: every leaf once.
+    leaves = index.as_retriever(similarity_top_k=10_000, max_tokens=None).retrieve("bread")
+    assert sorted(n.node.node_id for n in leaves) == sorted(n.id for n in index.tree.leaves)
 
 
 def test_empty_index(embed_model: MiniLMEmbedding) -> None:
@@ -252,7 +258,8 @@ def test_vector_store_index_comparison_on_the_same_documents(
         embed_model=embed_model,
         transformations=[SentenceSplitter(chunk_size=100, chunk_overlap=0)],
     ).as_retriever(similarity_top_k=5)
-    raptor = index.as_retriever(similarity_top_k=5)
+    # Collapsed by name: the claim below is about summaries (the default returns passages).
+    raptor = index.as_retriever(similarity_top_k=5, strategy="collapsed")
     question = "What is the essay about honeybees mainly about?"
     vector_nodes = vector.retrieve(question)
     raptor_nodes = raptor.retrieve(question)

@@ -21,7 +21,7 @@ def scripted(prompt: str, max_tokens: int | None) -> str:
     """Pick the candidate whose text mentions the Moon; the judge says enough at once."""
     if '"enough"' in prompt:
         return json.dumps({"enough": True, "reason": "the landing is covered"})
-    ids = re.findall(r"\b(L\d+\.\d+)\b", prompt)
+    ids = re.findall(r"\[(L\d+[.-][0-9a-f]+)\]", prompt)
     chosen = [i for i in ids if i in MOON_IDS] or ids[:1]
     return (
         "```json\n"

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai_server import GroupClusterer
 
-from raptor_core.builder import TreeBuilder
+from raptor_core.build.builder import TreeBuilder
 from raptor_core.cli import main, read_documents
 from raptor_core.exceptions import (
     EmbeddingError,
@@ -281,7 +281,7 @@ def test_summarizer_exception_is_wrapped_with_its_place() -> None:
     ids=["40-duplicates", "one-chunk", "three-chunks", "two-points"],
 )
 def test_real_clustering_survives_degenerate_input(documents: list[str]) -> None:
-    from raptor_core.clustering import GMMClusterer
+    from raptor_core.build.clustering import GMMClusterer
 
     builder = TreeBuilder(
         FakeEmbedder(16),

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from raptor_core.builder import TreeBuilder, to_documents
+from raptor_core.build.builder import TreeBuilder, to_documents
+from raptor_core.build.summarizers import ExtractiveSummarizer, LLMSummarizer
 from raptor_core.exceptions import (
     EmbeddingError,
     InvalidInputError,
@@ -14,7 +15,6 @@ from raptor_core.exceptions import (
     LLMAuthenticationError,
     SummarizationError,
 )
-from raptor_core.summarizers import ExtractiveSummarizer, LLMSummarizer
 from raptor_core.testing import EchoSummarizer, FakeEmbedder, ScriptedLLM, WhitespaceTokenizer
 from raptor_core.types import DEFAULT_SUMMARY_PROMPT, Document
 

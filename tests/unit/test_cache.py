@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import sqlite3
 import subprocess
@@ -18,16 +17,16 @@ import pytest
 from openai_server import CORPUS, GroupClusterer, tree_signature
 
 from raptor_core.backends.openai import OpenAIEmbedder, OpenAISummarizer
-from raptor_core.builder import TYPICAL_CLUSTER_SIZE, TreeBuilder
-from raptor_core.cache import (
+from raptor_core.build.builder import TYPICAL_CLUSTER_SIZE, TreeBuilder
+from raptor_core.build.cache import (
     CACHE_FILE,
     BuildCache,
     CachedEmbedder,
     CachedSummarizer,
     component_identity,
 )
-from raptor_core.exceptions import InvalidParameterError, SummarizationError
-from raptor_core.summarizers import ExtractiveSummarizer, LLMSummarizer
+from raptor_core.build.summarizers import ExtractiveSummarizer, LLMSummarizer
+from raptor_core.exceptions import CacheError, InvalidParameterError, SummarizationError
 from raptor_core.testing import EchoSummarizer, FakeEmbedder, ScriptedLLM, WhitespaceTokenizer
 from raptor_core.types import AsyncEmbedder, AsyncSummarizer, Embedder, Summarizer
 
@@ -130,16 +129,24 @@ def test_stored_as_plain_sqlite_rows_never_pickled(tmp_path) -> None:
     assert summary == "text"
 
 
-def test_unreadable_cache_is_moved_aside(tmp_path, caplog) -> None:
-    (tmp_path / CACHE_FILE).write_bytes(b"this is not a database" * 100)
-    with (
-        caplog.at_level(logging.WARNING, logger="raptor_core.cache"),
-        BuildCache(tmp_path) as cache,
-    ):
-        cache.put_summary("k", "v")
-        assert cache.get_summary("k") == "v"
-    assert "unreadable" in caplog.text
-    assert list(tmp_path.glob(f"{CACHE_FILE}.corrupt-*"))
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"this is not a database" * 100,  # garbage
+        b"SQLite format 3\x00" + b"\x00" * 50,  # a truncated header
+    ],
+)
+def test_unreadable_cache_is_a_typed_error_and_clear_starts_afresh(tmp_path, content) -> None:
+    (tmp_path / CACHE_FILE).write_bytes(content)
+    cache = BuildCache(tmp_path)
+    with pytest.raises(CacheError, match=r"--no-resume") as info:
+        cache.get_summary("k")
+    assert str(tmp_path) in str(info.value)
+    assert (tmp_path / CACHE_FILE).read_bytes() == content  # never moved or deleted unasked
+    cache.clear()  # what --no-resume does
+    cache.put_summary("k", "v")
+    assert cache.get_summary("k") == "v"
+    cache.close()
 
 
 def test_cache_path_that_is_a_file_is_a_parameter_error(tmp_path) -> None:
@@ -170,7 +177,7 @@ def test_a_killed_writer_keeps_every_committed_entry(tmp_path) -> None:
     script = textwrap.dedent(
         f"""
         import sys
-        from raptor_core.cache import BuildCache
+        from raptor_core.build.cache import BuildCache
         cache = BuildCache({str(tmp_path)!r})
         for i in range(100000):
             cache.put_summary(f"k{{i}}", "x" * 2000)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raptor_core import tokenizers
-from raptor_core.chunking import SentenceChunker, split_sentences
+from raptor_core.build.chunking import SentenceChunker, split_sentences
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, MissingDependencyError
 from raptor_core.tokenizers import (
     RegexTokenizer,

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 from raptor_core._threads import limit_threads, recommended_threads
-from raptor_core.clustering import GMMClusterer, _bic_gmm_soft, cluster_within_limit
+from raptor_core.build.clustering import GMMClusterer, _bic_gmm_soft, cluster_within_limit
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 from raptor_core.types import Clusterer
 

@@ -29,6 +29,7 @@ from raptor_core.exceptions import (
     LLMAuthenticationError,
     LLMError,
     LLMRequestError,
+    LLMResponseError,
     LLMTimeoutError,
 )
 
@@ -126,7 +127,9 @@ def test_empty_completions_are_retried_then_reported() -> None:
         assert len(srv.requests()) == 3
     with FakeOpenAIServer(faults=lambda *_: "empty") as srv:
         llm = _llm(srv, max_retries=2)
-        with pytest.raises(LLMError, match="empty completion on all 3 attempts"):
+        with pytest.raises(
+            LLMResponseError, match=r"invalid response \(an empty completion\) on all 3 attempts"
+        ):
             llm.complete("never")
         usage = llm.usage.snapshot()
         assert usage["requests"] == 3 and usage["calls"] == 0 and usage["retries"] == 2

@@ -134,7 +134,7 @@ def test_the_judge_stops_the_search_early(tree: Tree) -> None:
 
 def test_an_unusable_judge_does_not_stop_the_search(tree: Tree, caplog) -> None:
     llm = scripted(judge="maybe?")
-    with caplog.at_level(logging.WARNING, logger="raptor_core.hybrid"):
+    with caplog.at_level(logging.WARNING, logger="raptor_core.retrieval.hybrid"):
         result = hybrid(tree, llm, value_k=3).search("cats")
     assert len(result.hits) == 3 and result.stop_reason == "exhausted"
     assert all(not d.enough for d in result.judgements)

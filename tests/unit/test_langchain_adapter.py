@@ -87,7 +87,8 @@ LC_DOCS = [
 
 @pytest.fixture
 def retriever() -> RaptorRetriever:
-    return RaptorRetriever(tree=TREE, embeddings=FakeEmbedder(dim=TREE.dim))
+    # Collapsed: these tests check summaries and node counts (passages merge leaves).
+    return RaptorRetriever(tree=TREE, embeddings=FakeEmbedder(dim=TREE.dim), strategy="collapsed")
 
 
 def format_docs(docs: list[Document]) -> str:
@@ -100,10 +101,17 @@ PROMPT = ChatPromptTemplate.from_template("Context: {context}\n\nQuestion: {ques
 # -- public surface ----------------------------------------------------------------------------
 def test_exported_names_are_pinned() -> None:
     assert sorted(raptor_langchain.__all__) == [
+        "ChromaDialect",
+        "GenericDialect",
+        "InMemoryDialect",
         "LangChainEmbedder",
         "LangChainLLM",
+        "LangChainNodeStore",
         "RaptorEmbeddings",
         "RaptorRetriever",
+        "SEARCH_TYPES",
+        "StoreDialect",
+        "TracedLLM",
         "hit_to_document",
     ]
 
@@ -123,7 +131,9 @@ def test_import_without_langchain_core_names_the_extra(monkeypatch: pytest.Monke
 # -- k and per-call parameters -----------------------------------------------------------------
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_k_at_construction(k: int) -> None:
-    docs = RaptorRetriever(tree=TREE, embeddings=FakeEmbedder(dim=TREE.dim), k=k).invoke("cats")
+    docs = RaptorRetriever(
+        tree=TREE, embeddings=FakeEmbedder(dim=TREE.dim), k=k, strategy="collapsed"
+    ).invoke("cats")
     assert len(docs) == k
     assert all(isinstance(d, Document) for d in docs)
 
@@ -152,7 +162,10 @@ def test_reassigned_fields_take_effect(retriever: RaptorRetriever) -> None:
 
 def test_search_kwargs_and_per_call_overrides(retriever: RaptorRetriever) -> None:
     leaves = RaptorRetriever(
-        tree=TREE, embeddings=FakeEmbedder(dim=TREE.dim), search_kwargs={"layers": [0]}
+        tree=TREE,
+        embeddings=FakeEmbedder(dim=TREE.dim),
+        strategy="collapsed",
+        search_kwargs={"layers": [0]},
     )
     assert {d.metadata["raptor_layer"] for d in leaves.invoke("cats", k=4)} == {0}
     summaries = leaves.invoke("cats", layers=[1])
@@ -179,9 +192,14 @@ def test_invalid_parameters_raise() -> None:
 
 
 def test_embedder_of_wrong_dimension_fails_clearly() -> None:
+    # A declared dimension is checked before the first query ...
     retriever = RaptorRetriever(tree=TREE, embeddings=FakeEmbedder(dim=TREE.dim + 1))
-    with pytest.raises(EmbeddingError, match="dimension"):
+    with pytest.raises(InvalidParameterError, match="dimensions"):
         retriever.invoke("cats")
+    # ... and an undeclared one at the first query.
+    wrong = DeterministicFakeEmbedding(size=TREE.dim + 1)
+    with pytest.raises(EmbeddingError, match="dimension"):
+        RaptorRetriever(tree=TREE, embeddings=wrong).invoke("cats")
 
 
 # -- strategies --------------------------------------------------------------------------------
@@ -209,7 +227,7 @@ def test_traversal_and_value_metadata() -> None:
 
 
 def selecting_chat_model() -> FakeListChatModel:
-    # Top layer first, then the children of the chosen summary (see raptor_core.llm_search).
+    # Top layer first, then the children of the chosen summary (see raptor_core.retrieval.llm).
     return FakeListChatModel(
         responses=[
             '{"selected": [{"id": "L1.0", "reason": "about cats"}]}',
@@ -603,6 +621,20 @@ def test_raptor_embeddings_serve_an_in_memory_vector_store() -> None:
     store = InMemoryVectorStore.from_documents(LC_DOCS, RaptorEmbeddings(FakeEmbedder(dim=32)))
     docs = store.as_retriever(search_kwargs={"k": 1}).invoke("Rockets burn fuel to reach orbit.")
     assert docs[0].id == "rockets"
+
+
+def test_default_strategy_is_the_core_default() -> None:
+    from raptor_core import DEFAULT_STRATEGY
+
+    retriever = RaptorRetriever(tree=TREE, embeddings=FakeEmbedder(dim=TREE.dim))
+    assert retriever.strategy == DEFAULT_STRATEGY == "passage"
+    # No budget (the adapter's default): the k strongest leaves, one per document.
+    docs = retriever.invoke("cats purr", k=3)
+    assert len(docs) == 3 and all(d.metadata["raptor_layer"] == 0 for d in docs)
+    # With a budget, neighbouring leaves come back as one passage.
+    docs = retriever.invoke("cats purr", max_tokens=30)
+    assert docs[0].id == "L0.0..L0.1" and docs[0].metadata["raptor_leaves"] == ["L0.0", "L0.1"]
+    assert all(0.0 <= d.metadata["score"] <= 1.0 for d in docs)
 
 
 # -- LangChain's own standard suite, over the fake tree (the real model runs in integration) ---

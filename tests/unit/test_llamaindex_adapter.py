@@ -36,6 +36,7 @@ from llama_index.core.tools import QueryEngineTool
 from pydantic import Field, PrivateAttr
 
 import raptor_llamaindex
+from raptor_core.build.summarizers import ExtractiveSummarizer, LLMSummarizer
 from raptor_core.exceptions import (
     EmbeddingError,
     InvalidInputError,
@@ -45,7 +46,6 @@ from raptor_core.exceptions import (
     MissingDependencyError,
     TreeFormatError,
 )
-from raptor_core.summarizers import ExtractiveSummarizer, LLMSummarizer
 from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer, tiny_tree
 from raptor_core.tree import Tree
 from raptor_llamaindex import (
@@ -166,8 +166,13 @@ class RecordingLLM(CustomLLM):
 
 @pytest.fixture
 def index() -> RaptorIndex:
+    # Collapsed: these tests check summaries and node counts (passages merge leaves).
     return RaptorIndex.from_documents(
-        documents(), embed_model=FakeEmbedder(32), similarity_top_k=6, **fast_options()
+        documents(),
+        embed_model=FakeEmbedder(32),
+        similarity_top_k=6,
+        strategy="collapsed",
+        **fast_options(),
     )
 
 
@@ -201,7 +206,9 @@ def test_retriever_is_a_llamaindex_retriever_that_keeps_the_template_method() ->
 # -- node conversion -------------------------------------------------------------------------------
 def test_nodes_carry_layer_document_span_and_children() -> None:
     tree = tiny_tree()
-    nodes = RaptorRetriever(tree, FakeEmbedder(tree.dim), similarity_top_k=10).retrieve("cats")
+    nodes = RaptorRetriever(
+        tree, FakeEmbedder(tree.dim), similarity_top_k=10, strategy="collapsed"
+    ).retrieve("cats")
     assert {n.node.node_id for n in nodes} == {node.id for node in tree.nodes}
     for item in nodes:
         node = item.node
@@ -250,7 +257,9 @@ def test_hit_to_node_records_path_and_reason() -> None:
 # -- retriever parameters ------------------------------------------------------------------------
 def test_similarity_top_k_is_the_core_k_and_can_be_changed() -> None:
     tree = tiny_tree()
-    retriever = RaptorRetriever(tree, FakeEmbedder(tree.dim), similarity_top_k=2)
+    retriever = RaptorRetriever(
+        tree, FakeEmbedder(tree.dim), similarity_top_k=2, strategy="collapsed"
+    )
     assert len(retriever.retrieve("cats")) == 2
     retriever.similarity_top_k = 3
     assert len(retriever.retrieve("cats")) == 3
@@ -268,23 +277,32 @@ def test_default_similarity_top_k_is_llamaindex_default() -> None:
 def test_similarity_top_k_larger_than_the_tree_returns_every_node() -> None:
     tree = tiny_tree()
     retriever = RaptorRetriever(
-        tree, FakeEmbedder(tree.dim), similarity_top_k=1000, max_tokens=None
+        tree, FakeEmbedder(tree.dim), similarity_top_k=1000, max_tokens=None, strategy="collapsed"
     )
     nodes = retriever.retrieve("rockets")
     assert len(nodes) == len(tree)
     assert len({n.node.node_id for n in nodes}) == len(tree)
+    # The default (passage) strategy without a budget returns every leaf, one per node.
+    leaves = RaptorRetriever(
+        tree, FakeEmbedder(tree.dim), similarity_top_k=1000, max_tokens=None
+    ).retrieve("rockets")
+    assert sorted(n.node.node_id for n in leaves) == sorted(leaf.id for leaf in tree.leaves)
 
 
 def test_max_tokens_budget_is_respected() -> None:
     tree = tiny_tree()
-    retriever = RaptorRetriever(tree, FakeEmbedder(tree.dim), similarity_top_k=10, max_tokens=10)
+    retriever = RaptorRetriever(
+        tree, FakeEmbedder(tree.dim), similarity_top_k=10, max_tokens=10, strategy="collapsed"
+    )
     nodes = retriever.retrieve("cats")
     assert sum(tree.node(n.node.node_id).token_count for n in nodes) <= 10
 
 
 def test_collapsed_strategy_parameters_are_passed_through() -> None:
     tree = tiny_tree()
-    retriever = RaptorRetriever(tree, FakeEmbedder(tree.dim), similarity_top_k=10, layers=[0])
+    retriever = RaptorRetriever(
+        tree, FakeEmbedder(tree.dim), similarity_top_k=10, layers=[0], strategy="collapsed"
+    )
     assert {n.node.metadata["raptor_layer"] for n in retriever.retrieve("cats")} == {0}
 
 
@@ -449,7 +467,7 @@ async def test_async_retrieval_inside_a_running_loop() -> None:
     asyncio.get_running_loop()  # the test itself runs in a loop, as in Jupyter or FastAPI
     embed_model = HashEmbedding()
     tree = tiny_tree(dim=32)
-    retriever = RaptorRetriever(tree, embed_model, similarity_top_k=3)
+    retriever = RaptorRetriever(tree, embed_model, similarity_top_k=3, strategy="collapsed")
     nodes = await retriever.aretrieve("rockets")
     assert embed_model._calls == {"aquery": 1}  # the model's own async path
     assert [(n.node.node_id, n.score) for n in nodes] == [
@@ -478,7 +496,7 @@ def test_index_builds_a_tree_from_llamaindex_documents(index: RaptorIndex) -> No
     assert tree.num_layers >= 2
     assert set(tree.doc_ids) == set(TOPICS)
     assert index.ref_doc_ids == tuple(TOPICS)
-    assert index.retriever_kwargs == {"similarity_top_k": 6}
+    assert index.retriever_kwargs == {"similarity_top_k": 6, "strategy": "collapsed"}
     nodes = index.as_retriever().retrieve("rockets reach orbit")
     assert len(nodes) == 6
     assert len({n.node.metadata["raptor_layer"] for n in nodes}) >= 2
@@ -503,6 +521,7 @@ def test_retriever_from_defaults() -> None:
         embed_model=FakeEmbedder(32),
         builder_kwargs=fast_options(),
         similarity_top_k=4,
+        strategy="collapsed",
     )
     assert len(retriever.retrieve("cats")) == 4
     tree = tiny_tree()
@@ -656,6 +675,7 @@ def test_persist_load_round_trip(index: RaptorIndex, tmp_path: Any) -> None:
         embed_model=FakeEmbedder(32),
         similarity_top_k=5,
         max_tokens=40,
+        strategy="collapsed",
         layers=[0, 1],
         **fast_options(),
     )
@@ -664,6 +684,7 @@ def test_persist_load_round_trip(index: RaptorIndex, tmp_path: Any) -> None:
     assert saved["retriever"] == {
         "similarity_top_k": 5,
         "max_tokens": 40,
+        "strategy": "collapsed",
         "strategy_params": {"layers": [0, 1]},
     }
     loaded = RaptorIndex.load(tmp_path / "idx", embed_model=FakeEmbedder(32))
@@ -713,7 +734,9 @@ def test_empty_index_round_trip(tmp_path: Any) -> None:
 
 def test_retriever_persist_round_trip(tmp_path: Any) -> None:
     tree = tiny_tree()
-    retriever = RaptorRetriever(tree, FakeEmbedder(tree.dim), similarity_top_k=3, layers=[0])
+    retriever = RaptorRetriever(
+        tree, FakeEmbedder(tree.dim), similarity_top_k=3, layers=[0], strategy="collapsed"
+    )
     retriever.persist(tmp_path)
     loaded = RaptorRetriever.from_persist_dir(tmp_path, FakeEmbedder(tree.dim))
     assert loaded.get_params() == retriever.get_params()
@@ -955,7 +978,9 @@ def test_persist_refuses_unsaveable_parameters_before_writing(tmp_path: Any) -> 
     tree = tiny_tree()
     vector_index = NumpyIndex()
     vector_index.add([n.id for n in tree.nodes], np.asarray(tree.embeddings))
-    retriever = RaptorRetriever(tree, FakeEmbedder(tree.dim), index=vector_index)
+    retriever = RaptorRetriever(
+        tree, FakeEmbedder(tree.dim), index=vector_index, strategy="collapsed"
+    )
     assert retriever.retrieve("cats")
     with pytest.raises(InvalidParameterError, match="JSON"):
         retriever.persist(tmp_path / "r")
@@ -980,3 +1005,17 @@ def test_query_bundle_embedding_is_used_instead_of_the_query_string() -> None:
     hyde = QueryBundle(query_str="cats purr", custom_embedding_strs=["rockets reach orbit"])
     (hit,) = retriever.retrieve(hyde)
     assert "ocket" in hit.node.get_content() or "orbit" in hit.node.get_content()
+
+
+def test_default_strategy_is_the_core_default_and_returns_passages() -> None:
+    from raptor_core import DEFAULT_STRATEGY
+
+    tree = tiny_tree()
+    retriever = RaptorRetriever(tree, FakeEmbedder(tree.dim), similarity_top_k=2)
+    assert retriever.strategy == DEFAULT_STRATEGY == "passage"
+    nodes = retriever.retrieve("cats purr")
+    assert nodes and all(n.node.metadata["raptor_layer"] == 0 for n in nodes)
+    joined = [n for n in nodes if "raptor_leaves" in n.node.metadata]
+    assert joined and joined[0].node.metadata["raptor_leaves"] == ["L0.0", "L0.1"]
+    assert "raptor_leaves" in joined[0].node.excluded_llm_metadata_keys
+    assert all(0.0 <= (n.score or 0.0) <= 1.0 for n in nodes)

@@ -116,7 +116,7 @@ def test_unusable_twice_falls_back_to_similarity(
     tree: Tree, script: list, caplog: pytest.LogCaptureFixture
 ) -> None:
     llm = ScriptedLLM(script, default='{"selected": []}')
-    with caplog.at_level(logging.WARNING, logger="raptor_core.llm_search"):
+    with caplog.at_level(logging.WARNING, logger="raptor_core.retrieval.llm"):
         hits = retriever(tree, llm, top_k=1).retrieve("cats purr")
     assert [h.id for h in hits] == ["L1.0"]  # the most similar top-layer node
     assert hits[0].reason.startswith("similarity fallback")
@@ -149,7 +149,7 @@ class SlowLLM:
 def test_llm_timeout_counts_as_a_failed_call(tree: Tree, caplog: pytest.LogCaptureFixture) -> None:
     llm = SlowLLM(5.0)
     started = time.perf_counter()
-    with caplog.at_level(logging.WARNING, logger="raptor_core.llm_search"):
+    with caplog.at_level(logging.WARNING, logger="raptor_core.retrieval.llm"):
         hits = retriever(tree, llm, top_k=1, num_layers=1, llm_timeout=0.05).retrieve("cats purr")
     assert time.perf_counter() - started < 2.0
     assert [h.id for h in hits] == ["L1.0"] and "LLMTimeoutError" in hits[0].reason

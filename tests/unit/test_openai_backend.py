@@ -28,14 +28,14 @@ from raptor_core.backends.openai import (
     OpenAISummarizer,
     Usage,
 )
-from raptor_core.builder import describe
+from raptor_core.build.builder import describe
+from raptor_core.components import recreate_embedder
 from raptor_core.exceptions import (
     InvalidInputError,
     InvalidParameterError,
     LLMAuthenticationError,
     MissingDependencyError,
 )
-from raptor_core.resolve import from_description
 from raptor_core.types import (
     DEFAULT_SUMMARY_PROMPT,
     LLM,
@@ -198,15 +198,15 @@ def test_embedder_dimensions_and_bad_input(server) -> None:
         OpenAIEmbedder("e", api_key="k", batch_size=0).embed_documents(["x"])
 
 
-def test_recorded_params_recreate_the_embedder_without_the_key(server, monkeypatch) -> None:
+def test_recorded_params_describe_the_embedder_but_never_recreate_it(server) -> None:
     embedder = OpenAIEmbedder("fake-embed", base_url=server.url, api_key=KEY, batch_size=7)
     description = describe(embedder)
     assert KEY not in repr(description) and KEY not in repr(embedder)
     assert description["model"] == "fake-embed" and description["batch_size"] == 7
-    monkeypatch.setenv("OPENAI_API_KEY", KEY)
-    again = from_description(description)
-    assert isinstance(again, OpenAIEmbedder) and again.get_params() == embedder.get_params()
-    np.testing.assert_array_equal(again.embed_query("cats"), embedder.embed_query("cats"))
+    # A remote model is never created from a file: the caller passes it (issue 11).
+    with pytest.raises(InvalidParameterError, match=r"embedder=OpenAIEmbedder\('fake-embed'"):
+        recreate_embedder(description)
+    assert server.requests() == []
 
 
 def test_copies_and_pickles_without_clients(server) -> None:
@@ -320,7 +320,7 @@ def test_a_layer_with_concurrency_one_is_sequential() -> None:
 
 def test_default_clusterer_builds_through_the_server(server) -> None:
     """The real UMAP + GMM clustering over embeddings served by the local server."""
-    from raptor_core.clustering import GMMClusterer
+    from raptor_core.build.clustering import GMMClusterer
 
     corpus = CORPUS * 2
     docs = [{"doc_id": f"d{i}", "text": text} for i, text in enumerate(corpus)]
@@ -360,13 +360,25 @@ def test_cli_builds_resumes_and_queries_through_the_server(
     assert first > 0 and (out / "tree.json").is_file() and (out / ".raptor-cache").is_dir()
     assert server.max_in_flight <= 3
 
-    assert main(args) == 0  # resume is the default: everything comes from the cache
+    assert main(args) == 2  # the tree is there: replacing it needs --overwrite
+    assert "--overwrite" in capsys.readouterr().err
+    assert len(server.requests()) == first  # refused before any work
+
+    assert main([*args, "--overwrite"]) == 0  # resume is the default: all from the cache
     capsys.readouterr()
     assert len(server.requests()) == first
 
-    assert main([*args, "--no-resume"]) == 0  # pays again
+    assert main([*args, "--overwrite", "--no-resume"]) == 0  # pays again
     capsys.readouterr()
     assert len(server.requests("chat")) == 2 * first_chat
 
-    assert main(["query", str(out), "Which results were better than expected?", "--json"]) == 0
+    question = "Which results were better than expected?"
+    # The tree records an OpenAI embedder: a query never re-creates it from the file.
+    assert main(["query", str(out), question, "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "--embedder openai:fake-embed" in err and "Traceback" not in err
+    before = len(server.requests())
+    embed = ["--embedder", "openai:fake-embed", "--embed-base-url", server.url]
+    assert main(["query", str(out), question, "--json", *embed]) == 0
     assert '"layer"' in capsys.readouterr().out
+    assert len(server.requests("embeddings")) > 0 and len(server.requests()) == before + 1

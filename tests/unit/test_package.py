@@ -21,12 +21,14 @@ EXPECTED_ALL = {
     "AsyncLLM",
     "AsyncSummarizer",
     "BackendError",
+    "CacheError",
     "Chunk",
     "Chunker",
     "Clusterer",
     "CollapsedTreeRetriever",
     "Document",
     "EmbeddingError",
+    "EmbeddingResponseError",
     "Embedder",
     "ExtractiveSummarizer",
     "FaissIndex",
@@ -34,17 +36,23 @@ EXPECTED_ALL = {
     "Hit",
     "HybridResult",
     "HybridRetriever",
+    "InMemoryNodeStore",
     "InvalidInputError",
     "InvalidParameterError",
     "JudgeDecision",
     "LLMAuthenticationError",
     "LLMError",
     "LLMRequestError",
+    "LLMResponseError",
     "LLMGuidedRetriever",
     "LLMSummarizer",
     "LLMTimeoutError",
+    "MMRRetriever",
+    "Match",
     "MissingDependencyError",
     "Node",
+    "NodeFilter",
+    "NodeStore",
     "NumpyIndex",
     "RaptorError",
     "RegexTokenizer",
@@ -57,9 +65,12 @@ EXPECTED_ALL = {
     "Tree",
     "TreeBuilder",
     "TreeFormatError",
+    "TreeLockError",
     "TreeRetriever",
     "TreeTraversalRetriever",
     "ValueBasedRetriever",
+    "PassageRetriever",
+    "DEFAULT_STRATEGY",
     "VectorIndex",
     "__version__",
     "make_retriever",
@@ -155,6 +166,15 @@ def test_code_passes_ruff() -> None:
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
     if ruff is None:
         pytest.skip("ruff is not installed (pip install -e '.[dev]')")
-    targets = ["raptor_core", "raptor_llamaindex", "raptor_langchain", "tests", "benchmarks", "examples"]
-    proc = subprocess.run([ruff, "check", *targets], cwd=ROOT, capture_output=True, text=True, check=False)
+    targets = [
+        "raptor_core",
+        "raptor_llamaindex",
+        "raptor_langchain",
+        "tests",
+        "benchmarks",
+        "examples",
+    ]
+    proc = subprocess.run(
+        [ruff, "check", *targets], cwd=ROOT, capture_output=True, text=True, check=False
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr

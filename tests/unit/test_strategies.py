@@ -15,6 +15,7 @@ from raptor_core import (
     InvalidInputError,
     InvalidParameterError,
     LLMGuidedRetriever,
+    MMRRetriever,
     Node,
     Tree,
     TreeRetriever,
@@ -23,7 +24,8 @@ from raptor_core import (
     make_retriever,
 )
 from raptor_core.cli import main
-from raptor_core.strategies import accepted_params
+from raptor_core.retrieval.passage import PassageRetriever
+from raptor_core.retrieval.registry import accepted_params
 from raptor_core.testing import FakeEmbedder, ScriptedLLM, random_tree, tiny_tree
 
 
@@ -42,13 +44,15 @@ def build(strategy: str, tree: Tree, **params) -> TreeRetriever:
 
 
 def test_strategy_names_and_classes(tree: Tree) -> None:
-    assert STRATEGIES == ("collapsed", "traversal", "value", "llm", "hybrid")
+    assert STRATEGIES == ("collapsed", "traversal", "value", "llm", "hybrid", "mmr", "passage")
     expected = [
         CollapsedTreeRetriever,
         TreeTraversalRetriever,
         ValueBasedRetriever,
         LLMGuidedRetriever,
         HybridRetriever,
+        MMRRetriever,
+        PassageRetriever,
     ]
     assert [type(build(s, tree)) for s in STRATEGIES] == expected
     assert build("traversal", tree, top_k=2, threshold=0.5).get_params()["threshold"] == 0.5
@@ -168,7 +172,8 @@ def tree_dir(tmp_path, tree: Tree):
 @pytest.mark.parametrize(
     ("flags", "source"),
     [
-        ([], "collapsed"),
+        ([], "passage"),
+        (["--strategy", "passage", "--window", "1", "--rank-factor", "2"], "passage"),
         (["--strategy", "traversal", "--top-k-per-layer", "1"], "traversal"),
         (["--strategy", "traversal", "--threshold", "0.1", "--start-layer", "1"], "traversal"),
         (["--strategy", "value", "--chunk-k", "2"], "value"),
@@ -208,9 +213,14 @@ def test_cli_llm_strategies_need_an_llm(tree_dir: str, capsys, strategy: str) ->
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--threshold", "0.5"], "--threshold does not apply to --strategy collapsed"),
+        (["--threshold", "0.5"], "--threshold does not apply to --strategy passage"),
+        (["--layers", "0"], "--layers does not apply to --strategy passage"),
+        (["--strategy", "value", "--window", "1"], "--window does not apply to --strategy value"),
         (["--strategy", "value", "--layers", "0"], "--layers does not apply to --strategy value"),
-        (["--layers", "zero"], "--layers takes comma-separated layer numbers"),
+        (
+            ["--strategy", "collapsed", "--layers", "zero"],
+            "--layers takes comma-separated layer numbers",
+        ),
         (["--strategy", "traversal", "--start-layer", "7"], "start_layer must be in"),
     ],
 )
@@ -249,7 +259,10 @@ def test_carried_copies_are_never_returned(strategy: str) -> None:
     hits = retriever.retrieve("rockets launch satellites into orbit")
     ids = [h.id for h in hits]
     assert "L2.0" not in ids
-    assert "L1.1" in ids  # the original, reached through the copy by the top-down searches
+    if strategy == "passage":
+        assert all(h.layer == 0 for h in hits)  # passages are made of leaves only
+    else:
+        assert "L1.1" in ids  # the original, reached through the copy by the top-down searches
 
 
 class CountingEmbedder(FakeEmbedder):

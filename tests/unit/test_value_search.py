@@ -17,8 +17,8 @@ from raptor_core import (
     Tree,
     ValueBasedRetriever,
 )
+from raptor_core.retrieval.value import mean_chunk_score, node_score
 from raptor_core.testing import FakeEmbedder, random_tree, tiny_tree
-from raptor_core.value_search import node_score
 
 
 class VectorEmbedder:
@@ -63,8 +63,10 @@ def test_one_strong_chunk_beats_three_weak_ones_of_the_same_total() -> None:
     tree, q = scored_tree({"strong": [0.9], "weak": [0.3, 0.3, 0.3]})
     hits = ValueBasedRetriever(tree, VectorEmbedder(q), include="summaries").retrieve("q")
     assert [h.id for h in hits] == ["strong", "weak"]
-    assert hits[0].score == pytest.approx(0.9 / math.sqrt(2), abs=1e-6)
-    assert hits[1].score == pytest.approx(0.9 / 2, abs=1e-6)
+    # Ranked by NodeScore; the hit score is the mean cosine of the node's retrieved chunks.
+    assert hits[0].score == pytest.approx(0.9, abs=1e-6)
+    assert hits[1].score == pytest.approx(0.3, abs=1e-6)
+    assert "0.900 / sqrt(1 + 1)" in hits[0].reason
 
 
 def test_more_relevant_chunks_raise_the_score_with_diminishing_returns() -> None:
@@ -89,7 +91,8 @@ def test_n_counts_retrieved_chunks_only() -> None:
         "q"
     )
     big = next(h for h in hits if h.id == "big")
-    assert big.score == pytest.approx((0.95 + 0.9) / math.sqrt(3), abs=1e-6)
+    assert big.score == pytest.approx((0.95 + 0.9) / 2, abs=1e-6)
+    assert big.score == pytest.approx(mean_chunk_score((0.95 + 0.9) / math.sqrt(3), 2), abs=1e-6)
     assert [c for c, _ in big.evidence] == ["big-leaf0", "big-leaf1"]
     assert "2 of the top 3 chunks" in big.reason
 
@@ -123,14 +126,18 @@ def test_matches_a_brute_force_computation(tree: Tree, seed: int) -> None:
     expected = _brute_force(tree, q, chunk_k=12)
     retriever = ValueBasedRetriever(tree, VectorEmbedder(q), chunk_k=12, k=1000, max_tokens=None)
     hits = retriever.retrieve("q")
-    assert {h.id: pytest.approx(h.score, abs=1e-5) for h in hits} == expected
-    assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+    node_scores = {h.id: node_score([s for _, s in h.evidence]) for h in hits}
+    assert {i: pytest.approx(v, abs=1e-5) for i, v in node_scores.items()} == expected
+    ranked = [node_scores[h.id] for h in hits]
+    assert ranked == sorted(ranked, reverse=True)  # the ranking follows NodeScore
     for hit in hits:
         under = {leaf.id for leaf in tree.leaf_descendants(hit.id)}
         assert {c for c, _ in hit.evidence} <= under
         chunk_scores = [s for _, s in hit.evidence]
         assert chunk_scores == sorted(chunk_scores, reverse=True)
-        assert hit.score == pytest.approx(node_score(chunk_scores), abs=1e-5)
+        mean = sum(chunk_scores) / len(chunk_scores)
+        assert hit.score == pytest.approx(min(1.0, max(0.0, mean)), abs=1e-5)
+        assert 0.0 <= hit.score <= 1.0
         assert hit.source == "value"
 
 
@@ -142,7 +149,7 @@ def test_include_summaries_or_leaves(tree: Tree) -> None:
     assert all(h.layer == 0 for h in leaves)
     best = np.argsort(-(tree.embeddings[tree.layer_rows(0)] @ q))[:5]
     assert [h.id for h in leaves] == [tree.leaves[i].id for i in best]
-    assert all(h.score == pytest.approx(h.evidence[0][1] / math.sqrt(2)) for h in leaves)
+    assert all(h.score == pytest.approx(max(0.0, h.evidence[0][1])) for h in leaves)
 
 
 def test_k_max_tokens_and_min_score(tree: Tree) -> None:
@@ -172,7 +179,7 @@ def test_an_index_of_another_tree_is_a_clear_error(tree: Tree) -> None:
     other = NumpyIndex()
     other.add(["stranger"], np.ones((1, tree.dim), dtype=np.float32))
     q = _query(tree, 0)
-    with pytest.raises(InvalidParameterError, match="must hold the tree's leaves"):
+    with pytest.raises(InvalidParameterError, match="must hold the tree's nodes"):
         ValueBasedRetriever(tree, VectorEmbedder(q), index=other).retrieve("q")
     with pytest.raises(InvalidParameterError, match="not in the tree"):
         CollapsedTreeRetriever(tree, VectorEmbedder(q), index=other).retrieve("q")
@@ -218,10 +225,10 @@ def test_include_evidence_reads_the_best_nodes_chunks() -> None:
     assert len({h.id for h in hits}) == len(hits)  # each chunk once
     retrieved = {c for n in nodes for c, _ in n.evidence}
     assert {h.id for h in hits} == retrieved  # exactly the retrieved chunks
-    # Best node first: the chunks of the top node come first, and scores never increase.
+    # Best node first: the chunks of the top node come first; each scores its own cosine.
     top_evidence = [c for c, _ in nodes[0].evidence]
     assert [h.id for h in hits[: len(top_evidence)]] == top_evidence
-    assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+    assert all(h.score == pytest.approx(max(0.0, h.evidence[0][1])) for h in hits)
     assert hits[0].reason.startswith(f"evidence of {nodes[0].id}")
     budget = sum(h.node.token_count for h in hits[:3])
     capped = ValueBasedRetriever(

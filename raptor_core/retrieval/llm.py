@@ -14,16 +14,16 @@ step falls back to similarity ranking and a warning is logged.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from raptor_core._async import run_sync
 from raptor_core._llm import ask_json, render
-from raptor_core._structure import block_scores, expand
 from raptor_core.exceptions import InvalidParameterError
-from raptor_core.retrieval import (
+from raptor_core.retrieval.base import (
     DEFAULT_K,
     DEFAULT_MAX_TOKENS,
     Hit,
@@ -31,11 +31,12 @@ from raptor_core.retrieval import (
     _check_positive_int,
     check_similarity,
     selection_path,
-    top_rows,
+    similarity_score,
+    top_layer,
 )
-from raptor_core.traversal import check_layer_span
-from raptor_core.tree import Tree
-from raptor_core.types import LLM, Embedder
+from raptor_core.retrieval.traversal import check_layer_span
+from raptor_core.tree import Tree, is_carried
+from raptor_core.types import LLM, Embedder, Match, NodeStore
 
 __all__ = ["SELECT_PROMPT", "LLMGuidedRetriever", "check_timeout"]
 
@@ -78,7 +79,7 @@ class LLMGuidedRetriever(TreeRetriever):
     and ``Hit.path`` the chosen nodes that led to it.
 
     Args:
-        tree: the tree to search.
+        tree: the tree to search (a :class:`Tree` or a :class:`~raptor_core.types.NodeStore`).
         embedder: embeds the query (to pre-rank candidates and for the fallback).
         llm: any :class:`~raptor_core.types.LLM` (``complete``; ``acomplete`` used when present).
         k: maximum number of hits; the search stops once it has them.
@@ -94,6 +95,8 @@ class LLMGuidedRetriever(TreeRetriever):
         llm_timeout: seconds per LLM call (None: wait); a timeout counts as a failed call.
         llm_max_tokens: answer length requested from the LLM.
         prompt: the selection prompt (see :data:`SELECT_PROMPT` for the placeholders).
+        where: a metadata filter (see :class:`TreeRetriever`): only passing nodes are shown.
+        native_filter: a filter in the store's own dialect.
 
     Examples:
         >>> from raptor_core.testing import FakeEmbedder, ScriptedLLM, tiny_tree
@@ -109,7 +112,7 @@ class LLMGuidedRetriever(TreeRetriever):
 
     def __init__(
         self,
-        tree: Tree,
+        tree: Tree | NodeStore,
         embedder: Embedder,
         *,
         llm: LLM,
@@ -124,8 +127,12 @@ class LLMGuidedRetriever(TreeRetriever):
         llm_timeout: float | None = None,
         llm_max_tokens: int = 512,
         prompt: str = SELECT_PROMPT,
+        where: Mapping[str, Any] | None = None,
+        native_filter: Any = None,
     ) -> None:
-        super().__init__(tree, embedder, k=k, max_tokens=max_tokens)
+        super().__init__(
+            tree, embedder, k=k, max_tokens=max_tokens, where=where, native_filter=native_filter
+        )
         self.llm = llm
         self.top_k = top_k
         self.start_layer = start_layer
@@ -147,17 +154,17 @@ class LLMGuidedRetriever(TreeRetriever):
             _check_positive_int(name, getattr(self, name))
         check_similarity("min_score", self.min_score)
         check_timeout("llm_timeout", self.llm_timeout)
-        check_layer_span(self.tree, self.start_layer, self.num_layers)
+        check_layer_span(top_layer(self.store), self.start_layer, self.num_layers)
         if not isinstance(self.prompt, str) or "{candidates}" not in self.prompt:
             msg = "prompt must be a string with a {candidates} placeholder (see SELECT_PROMPT)"
             raise InvalidParameterError(msg)
 
     # -- one step ------------------------------------------------------------------------------
-    def render_prompt(self, query: str, rows: NDArray[np.intp]) -> str:
-        """The selection prompt for ``query`` and the candidate ``rows``."""
+    def render_prompt(self, query: str, candidates: Sequence[Match]) -> str:
+        """The selection prompt for ``query`` and the ``candidates``."""
         lines = []
-        for row in rows.tolist():
-            node = self.tree.nodes[row]
+        for match in candidates:
+            node = match.node
             kind = (
                 f"summary, layer {node.layer}, {len(node.children)} children"
                 if node.children
@@ -168,41 +175,40 @@ class LLMGuidedRetriever(TreeRetriever):
             self.prompt, query=query, candidates="\n".join(lines), top_k=str(int(self.top_k))
         )
 
-    async def choose(
-        self, query: str, rows: NDArray[np.intp], scores: NDArray[np.float32]
-    ) -> list[tuple[int, str]]:
-        """Ask the LLM which of the candidate ``rows`` (best-similarity first) to choose.
+    async def choose(self, query: str, candidates: Sequence[Match]) -> list[tuple[Match, str]]:
+        """Ask the LLM which of the ``candidates`` (best-similarity first) to choose.
 
         Returns:
-            ``(row, reason)`` pairs in the LLM's order, at most ``top_k``; an empty list
-            when the LLM chose none.  Falls back to the ``top_k`` most similar candidates
-            (logged) when the LLM's answer is unusable twice.
+            ``(candidate, reason)`` pairs in the LLM's order, at most ``top_k``; an empty
+            list when the LLM chose none.  Falls back to the ``top_k`` most similar
+            candidates (logged) when the LLM's answer is unusable twice.
         """
-        by_id = {self.tree.nodes[r].id: r for r in rows.tolist()}
+        by_id = {m.node.id: m for m in candidates}
 
-        def parse(answer: object) -> list[tuple[int, str]]:
+        def parse(answer: object) -> list[tuple[Match, str]]:
             items = answer.get("selected") if isinstance(answer, dict) else answer
             if not isinstance(items, list):
                 msg = 'expected {"selected": [...]}'
                 raise ValueError(msg)
-            chosen: dict[int, str] = {}
+            chosen: dict[str, tuple[Match, str]] = {}
             for item in items:
                 if isinstance(item, dict):
                     node_id, reason = item.get("id"), item.get("reason")
                 else:
                     node_id, reason = item, None
-                row = by_id.get(str(node_id).strip().strip("[]")) if node_id is not None else None
-                if row is not None and row not in chosen:  # unknown ids are ignored
-                    chosen[row] = str(reason).strip() if reason else "chosen by the LLM"
+                key = str(node_id).strip().strip("[]") if node_id is not None else ""
+                match = by_id.get(key)
+                if match is not None and key not in chosen:  # unknown ids are ignored
+                    chosen[key] = (match, str(reason).strip() if reason else "chosen by the LLM")
             if items and not chosen:
                 named = [i.get("id") if isinstance(i, dict) else i for i in items][:5]
                 msg = f"none of the chosen ids {named} is a candidate"
                 raise ValueError(msg)
-            return list(chosen.items())
+            return list(chosen.values())
 
         picked, error = await ask_json(
             self.llm,
-            self.render_prompt(query, rows),
+            self.render_prompt(query, candidates),
             parse,
             max_tokens=int(self.llm_max_tokens),
             timeout=self.llm_timeout,
@@ -212,10 +218,10 @@ class LLMGuidedRetriever(TreeRetriever):
                 "LLM-guided search: the LLM's answer was unusable twice (%s); "
                 "fell back to similarity ranking for %d candidates",
                 error,
-                rows.shape[0],
+                len(candidates),
             )
-            best = top_rows(scores, min(int(self.top_k), rows.shape[0]))
-            return [(int(rows[i]), f"similarity fallback: {error}") for i in best]
+            # Candidates come from the store best first.
+            return [(m, f"similarity fallback: {error}") for m in candidates[: int(self.top_k)]]
         return picked[: int(self.top_k)]
 
     # -- the walk ------------------------------------------------------------------------------
@@ -230,46 +236,45 @@ class LLMGuidedRetriever(TreeRetriever):
     ) -> list[Hit]:
         """Run the search with a unit query vector; ``emit`` is called with each hit as found.
 
-        Used by :class:`~raptor_core.hybrid.HybridRetriever` to stream hits into its queue.
+        Used by :class:`~raptor_core.retrieval.hybrid.HybridRetriever` to stream hits into its queue.
         """
-        tree = self.tree
-        start = tree.top_layer if self.start_layer is None else int(self.start_layer)
+        store = self.store
+        start = top_layer(store) if self.start_layer is None else int(self.start_layer)
         steps = start + 1 if self.num_layers is None else int(self.num_layers)
-        tokens = tree.token_counts
-        frontier = tree.layer_rows(start)
-        scores = block_scores(tree, vector, [start])[0]
-        via: dict[int, int] = {}
-        done: set[int] = set()
+        # Carried copies are shown (their child is reached through them) but never returned.
+        where = self.node_filter(layers=frozenset({start}), include_carried=True)
+        via: dict[str, str] = {}
+        done: set[str] = set()
         hits: list[Hit] = []
         used = 0
-        for step in range(steps):
-            if step:
-                scores = tree.embeddings[frontier] @ vector
-            eligible = np.arange(frontier.shape[0])
-            if self.min_score is not None:
-                eligible = eligible[scores >= self.min_score]
-            ranked = eligible[
-                top_rows(scores[eligible], min(int(self.max_candidates), eligible.shape[0]))
+        for _ in range(steps):
+            candidates = [
+                m
+                # A store search is short next to an LLM call; inline keeps the order of
+                # hybrid search's queue repeatable.
+                for m in store.search(vector, int(self.max_candidates), where=where)
+                if m.node.id not in done and (self.min_score is None or m.score >= self.min_score)
             ]
-            if ranked.shape[0] == 0:
+            if not candidates:
                 break
-            rows = frontier[ranked]
-            choices = await self.choose(query, rows, scores[ranked])
+            choices = await self.choose(query, candidates)
             if not choices:
                 break
-            row_score = dict(zip(rows.tolist(), scores[ranked].tolist(), strict=True))
-            for row, reason in choices:
-                done.add(row)
-                if tree.carried_mask[row]:
+            for match, reason in choices:
+                node = match.node
+                done.add(node.id)
+                for child in node.children:
+                    via.setdefault(child, node.id)
+                if is_carried(node):
                     continue  # a copy of its only child, which is shown next
-                cost = int(tokens[row])
+                cost = node.token_count
                 if max_tokens is not None and used + cost > max_tokens:
                     continue  # too long to return, but its children may fit
                 hit = Hit(
-                    node=tree.nodes[row],
-                    score=float(row_score[row]),
+                    node=node,
+                    score=similarity_score(match.score),
                     source=self.source,
-                    path=selection_path(tree, via, row),
+                    path=selection_path(via, node.id),
                     reason=reason,
                 )
                 hits.append(hit)
@@ -278,9 +283,10 @@ class LLMGuidedRetriever(TreeRetriever):
                     emit(hit)
                 if len(hits) >= k or (max_tokens is not None and used >= max_tokens):
                     return hits
-            frontier = expand(tree, [row for row, _ in choices], via, done)
-            if frontier.shape[0] == 0:
+            parents = frozenset(m.node.id for m, _ in choices if m.node.children)
+            if not parents:
                 break
+            where = self.node_filter(parents=parents, include_carried=True)
         return hits
 
     def _retrieve(

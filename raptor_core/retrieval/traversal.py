@@ -7,12 +7,14 @@ look only at the *children of the selected nodes* in the next step, and so on fo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 from numpy.typing import NDArray
 
-from raptor_core._structure import block_scores, expand
 from raptor_core.exceptions import InvalidParameterError
-from raptor_core.retrieval import (
+from raptor_core.retrieval.base import (
     DEFAULT_K,
     DEFAULT_MAX_TOKENS,
     Hit,
@@ -22,22 +24,24 @@ from raptor_core.retrieval import (
     check_similarity,
     fill_budget,
     selection_path,
-    top_rows,
+    similarity_score,
+    top_layer,
 )
-from raptor_core.tree import Tree
-from raptor_core.types import Embedder
+from raptor_core.tree import Tree, is_carried
+from raptor_core.types import Embedder, Match, NodeFilter, NodeStore
 
 __all__ = ["TreeTraversalRetriever", "check_layer_span"]
 
 ORDERS = ("score", "layer")
 
 
-def check_layer_span(tree: Tree, start_layer: object, num_layers: object) -> None:
+def check_layer_span(top: int, start_layer: object, num_layers: object) -> None:
     """Validate ``start_layer`` and ``num_layers`` like the paper's reference code, clearly.
 
-    ``start_layer`` must be a layer of the tree (at most the top layer) and ``num_layers``
-    at most ``start_layer + 1``: there are only that many layers from ``start_layer`` down
-    to the leaves.  On an empty tree only the types are checked.
+    ``start_layer`` must be a layer of the tree (at most ``top``, the top layer) and
+    ``num_layers`` at most ``start_layer + 1``: there are only that many layers from
+    ``start_layer`` down to the leaves.  On an empty tree (``top`` -1) only the types are
+    checked.
     """
     values: dict[str, int | None] = {}
     for name, value in (("start_layer", start_layer), ("num_layers", num_layers)):
@@ -48,15 +52,13 @@ def check_layer_span(tree: Tree, start_layer: object, num_layers: object) -> Non
             raise InvalidParameterError(msg)
         values[name] = None if value is None else int(value)
     start_value, steps = values["start_layer"], values["num_layers"]
-    if start_value is not None and (
-        start_value < 0 or (len(tree) and start_value > tree.top_layer)
-    ):
-        msg = f"start_layer must be in [0, {tree.top_layer}] (the top layer), got {start_layer}"
+    if start_value is not None and (start_value < 0 or (top >= 0 and start_value > top)):
+        msg = f"start_layer must be in [0, {top}] (the top layer), got {start_layer}"
         raise InvalidParameterError(msg)
     if steps is not None:
         _check_positive_int("num_layers", steps)
-        start = tree.top_layer if start_value is None else start_value
-        if len(tree) and steps > start + 1:
+        start = top if start_value is None else start_value
+        if top >= 0 and steps > start + 1:
             msg = (
                 f"num_layers must be at most start_layer + 1 = {start + 1} (the layers from "
                 f"{start} down to the leaves), got {num_layers}"
@@ -73,7 +75,7 @@ class TreeTraversalRetriever(TreeRetriever):
     *distances* with ``>``, which keeps the least similar nodes; this class does not.)
 
     Args:
-        tree: the tree to search.
+        tree: the tree to search (a :class:`Tree` or a :class:`~raptor_core.types.NodeStore`).
         embedder: embeds the query.
         k: maximum number of hits returned in total (after the union of all steps).
         max_tokens: context budget over the returned hits.
@@ -86,6 +88,10 @@ class TreeTraversalRetriever(TreeRetriever):
         order: ``"score"`` returns the union best first; ``"layer"`` returns it in selection
             order (top layer first), like the paper's concatenated context.  The budget and
             ``k`` keep the first nodes in this order.
+        where: a metadata filter (see :class:`TreeRetriever`); with one, the search starts
+            at ``start_layer`` as given, else at the top layer, and only passing nodes are
+            selected (a summary over documents the filter excludes is not a way down).
+        native_filter: a filter in the store's own dialect.
 
     Examples:
         >>> from raptor_core.testing import FakeEmbedder, tiny_tree
@@ -100,7 +106,7 @@ class TreeTraversalRetriever(TreeRetriever):
 
     def __init__(
         self,
-        tree: Tree,
+        tree: Tree | NodeStore,
         embedder: Embedder,
         *,
         k: int = DEFAULT_K,
@@ -111,8 +117,12 @@ class TreeTraversalRetriever(TreeRetriever):
         num_layers: int | None = None,
         min_score: float | None = None,
         order: str = "score",
+        where: Mapping[str, Any] | None = None,
+        native_filter: Any = None,
     ) -> None:
-        super().__init__(tree, embedder, k=k, max_tokens=max_tokens)
+        super().__init__(
+            tree, embedder, k=k, max_tokens=max_tokens, where=where, native_filter=native_filter
+        )
         self.top_k = top_k
         self.threshold = threshold
         self.start_layer = start_layer
@@ -125,70 +135,69 @@ class TreeTraversalRetriever(TreeRetriever):
         check_similarity("threshold", self.threshold)
         check_similarity("min_score", self.min_score)
         check_choice("order", self.order, ORDERS)
-        check_layer_span(self.tree, self.start_layer, self.num_layers)
+        check_layer_span(top_layer(self.store), self.start_layer, self.num_layers)
 
-    def _select(self, scores: NDArray[np.float32]) -> NDArray[np.intp]:
-        """Positions in ``scores`` of the selected candidates, best first."""
+    def _select(self, vector: NDArray[np.float32], where: NodeFilter) -> list[Match]:
+        """The selected candidates among those passing ``where``, best first."""
         if self.threshold is None:
-            chosen = top_rows(scores, min(int(self.top_k), scores.shape[0]))
+            chosen = self.store.search(vector, int(self.top_k), where=where)
         else:
-            passing = np.flatnonzero(scores >= self.threshold)
-            chosen = passing[top_rows(scores[passing], passing.shape[0])]
+            # Every candidate at or above the threshold: widen the search until one falls below.
+            m = 64
+            while True:
+                found = self.store.search(vector, m, where=where)
+                chosen = [x for x in found if x.score >= self.threshold]
+                if len(chosen) < len(found) or len(found) < m:
+                    break
+                m *= 4
         if self.min_score is not None:
-            chosen = chosen[scores[chosen] >= self.min_score]
+            chosen = [x for x in chosen if x.score >= self.min_score]
         return chosen
 
-    def _reason(self, layer: int, score: float, rank: int, n: int, step: int) -> str:
+    def _reason(self, match: Match, rank: int, step: int) -> str:
         pool = (
-            f"the {n} nodes of layer {layer}"
+            f"the nodes of layer {match.node.layer}"
             if step == 0
-            else f"the {n} children of the selected nodes"
+            else "the children of the selected nodes"
         )
         if self.threshold is not None:
-            return f"cosine {score:.3f} >= threshold {self.threshold} among {pool}"
+            return f"cosine {match.score:.3f} >= threshold {self.threshold} among {pool}"
         return f"rank {rank + 1} among {pool}"
 
     def _retrieve(
         self, query: str, vector: NDArray[np.float32], *, k: int, max_tokens: int | None
     ) -> list[Hit]:
-        tree = self.tree
-        start = tree.top_layer if self.start_layer is None else int(self.start_layer)
+        store = self.store
+        start = top_layer(store) if self.start_layer is None else int(self.start_layer)
         steps = start + 1 if self.num_layers is None else int(self.num_layers)
-        frontier = tree.layer_rows(start)
-        carried = tree.carried_mask
-        # Step 0 scores a whole layer: score it as a (view) block of the matrix.
-        scores = block_scores(tree, vector, [start])[0]
-        via: dict[int, int] = {}  # child row -> the best selected parent that led to it
-        picked: list[tuple[int, float, str]] = []  # (row, score, reason) in selection order
-        picked_rows: set[int] = set()
+        # Carried copies are selected (their child is reached through them) but not returned.
+        where = self.node_filter(layers=frozenset({start}), include_carried=True)
+        via: dict[str, str] = {}  # child id -> the best selected parent that led to it
+        picked: list[tuple[Match, str]] = []  # (match, reason) in selection order
         for step in range(steps):
-            if frontier.shape[0] == 0:
+            chosen = self._select(vector, where)
+            rank_of = {x.node.id: rank for rank, x in enumerate(chosen)}
+            for rank, match in enumerate(chosen):
+                if not is_carried(match.node):
+                    picked.append((match, self._reason(match, rank, step)))
+            if step == steps - 1 or not chosen:
                 break
-            if step:
-                scores = tree.embeddings[frontier] @ vector  # (n_children,): small
-            chosen = self._select(scores)
-            n = int(frontier.shape[0])
-            for rank, local in enumerate(chosen):
-                row = int(frontier[local])
-                reason = self._reason(tree.nodes[row].layer, float(scores[local]), rank, n, step)
-                picked_rows.add(row)
-                if not carried[row]:  # a copy of its only child: expanded, not returned
-                    picked.append((row, float(scores[local]), reason))
-            if step == steps - 1 or chosen.shape[0] == 0:
-                break
-            frontier = expand(tree, frontier[chosen].tolist(), via, picked_rows)
+            for match in chosen:
+                for child in match.node.children:
+                    via.setdefault(child, match.node.id)  # chosen is best first
+            where = self.node_filter(parents=frozenset(rank_of), include_carried=True)
         if self.order == "score":
             # Stable sort keeps selection order among equal scores.
-            picked.sort(key=lambda item: -item[1])
-        tokens = tree.token_counts[np.asarray([row for row, _, _ in picked], dtype=np.intp)]
+            picked.sort(key=lambda item: -item[0].score)
+        tokens = np.fromiter((m.node.token_count for m, _ in picked), np.int64, len(picked))
         taken = fill_budget(range(len(picked)), tokens, k=k, max_tokens=max_tokens)
         return [
             Hit(
-                node=tree.nodes[picked[i][0]],
-                score=picked[i][1],
+                node=picked[i][0].node,
+                score=similarity_score(picked[i][0].score),
                 source=self.source,
-                path=selection_path(tree, via, picked[i][0]),
-                reason=picked[i][2],
+                path=selection_path(via, picked[i][0].node.id),
+                reason=picked[i][1],
             )
             for i in taken
         ]

@@ -37,6 +37,10 @@ class ExtractiveSummarizer:
         memo_size: most sentence vectors remembered (0 disables the memo).
     """
 
+    #: Not stored in a build cache: it is offline and deterministic, and recomputing it keeps
+    #: its sentence vectors (embedded a layer at a time) identical to an uncached build.
+    cacheable = False
+
     def __init__(
         self,
         embedder: Embedder | None = None,
@@ -92,7 +96,7 @@ class ExtractiveSummarizer:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             msg = f"max_tokens must be a positive integer, got {max_tokens!r}"
             raise InvalidParameterError(msg)
-        from raptor_core.chunking import split_sentences
+        from raptor_core.build.chunking import split_sentences
         from raptor_core.tokenizers import count_tokens
 
         embedder, tokenizer = self._resolved()

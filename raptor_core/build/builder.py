@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import NDArray
 
+from raptor_core.build.ids import leaf_id, summary_id
 from raptor_core.exceptions import (
     EmbeddingError,
     InvalidInputError,
@@ -28,7 +29,7 @@ from raptor_core.exceptions import (
 from raptor_core.tree import Node, Tree
 
 if TYPE_CHECKING:
-    from raptor_core.cache import BuildCache
+    from raptor_core.build.cache import BuildCache
 from raptor_core.types import (
     AsyncEmbedder,
     AsyncSummarizer,
@@ -102,17 +103,29 @@ def to_documents(documents: Iterable[str | Document | Mapping[str, Any]]) -> lis
             msg = f"document #{i} must be a str, Document or mapping, got {type(item).__name__}"
             raise InvalidInputError(msg)
         _check_text(doc)
+        if isinstance(doc.doc_id, str) and not _is_unicode(doc.doc_id):
+            msg = f"document #{i}: doc_id {doc.doc_id!a} is not Unicode text (a lone surrogate)"
+            raise InvalidInputError(msg)
         if doc.doc_id in seen:
             msg = f"duplicate doc_id {doc.doc_id!r}: give every document a unique id"
             raise InvalidInputError(msg)
         seen.add(doc.doc_id)
         try:
-            json.dumps(doc.metadata, allow_nan=False)
+            # Encoded as the tree file will be: a lone surrogate cannot be written as UTF-8.
+            json.dumps(doc.metadata, allow_nan=False, ensure_ascii=False).encode()
         except (TypeError, ValueError) as exc:
             msg = f"metadata of document {doc.doc_id!r} must be JSON-serialisable: {exc}"
             raise InvalidInputError(msg) from exc
         out.append(doc)
     return out
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_text(doc: Document) -> None:
@@ -122,6 +135,16 @@ def _check_text(doc: Document) -> None:
     if not doc.text.strip():
         msg = f"document {doc.doc_id!r} is empty or whitespace only: remove it or give it text"
         raise InvalidInputError(msg)
+    try:
+        doc.text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        # Undecoded bytes (surrogateescape) or a JSON "\ud800" escape: not text, and a
+        # tree holding it could not be saved as UTF-8.
+        msg = (
+            f"document {doc.doc_id!r} holds {doc.text[exc.start : exc.end]!a} at "
+            f"character {exc.start}, which is not Unicode text: decode the file correctly"
+        )
+        raise InvalidInputError(msg) from None
     sample = doc.text[:100_000]
     # Control characters other than whitespace do not occur in text; a NUL or many of them
     # means a binary file was decoded as text.
@@ -156,9 +179,14 @@ class TreeBuilder:
         n_threads: cap on torch/BLAS/numba threads during the build (None: leave as is).
         random_state: seed for the default clusterer.
         progress: ``progress(stage, done, total)`` callback (the CLI draws bars with it).
-        cache: a :class:`~raptor_core.cache.BuildCache`, or a directory for one.  Summaries and
+        cache: a :class:`~raptor_core.build.cache.BuildCache`, or a directory for one.  Summaries and
             embeddings are read from it first and written to it as they arrive, so a build
-            rerun after a crash or Ctrl-C makes only the calls it had not made.  None: no cache.
+            rerun after a crash or Ctrl-C makes only the calls it had not made.  Builds in
+            several processes may share one cache: each answer is paid for once (the others
+            wait for it).  Components that declare ``cacheable = False`` (the local
+            sentence-transformers model, the extractive summariser) are recomputed instead:
+            that is free, and it keeps the tree identical with or without a cache.  None: no
+            cache.
 
     Examples:
         >>> from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer
@@ -252,17 +280,17 @@ class TreeBuilder:
         tokenizer = self.tokenizer if self.tokenizer is not None else default_tokenizer()
         summarizer = self.summarizer
         if summarizer is None:
-            from raptor_core.summarizers import ExtractiveSummarizer
+            from raptor_core.build.summarizers import ExtractiveSummarizer
 
             summarizer = ExtractiveSummarizer(embedder, tokenizer=tokenizer)
         chunker = self.chunker
         if chunker is None:
-            from raptor_core.chunking import SentenceChunker
+            from raptor_core.build.chunking import SentenceChunker
 
             chunker = SentenceChunker(tokenizer, max_tokens=self.chunk_max_tokens)
         clusterer = self.clusterer
         if clusterer is None:
-            from raptor_core.clustering import GMMClusterer
+            from raptor_core.build.clustering import GMMClusterer
 
             clusterer = GMMClusterer(random_state=self.random_state)
         return embedder, summarizer, tokenizer, chunker, clusterer
@@ -326,7 +354,7 @@ class TreeBuilder:
         tokenizer = self.tokenizer if self.tokenizer is not None else default_tokenizer()
         chunker = self.chunker
         if chunker is None:
-            from raptor_core.chunking import SentenceChunker
+            from raptor_core.build.chunking import SentenceChunker
 
             chunker = SentenceChunker(tokenizer, max_tokens=self.chunk_max_tokens)
         chunks = [c for doc in docs for c in chunker.split(doc.text)]
@@ -387,10 +415,15 @@ class _BuildRun:
         self.raw_embedder, self.raw_summarizer = self.embedder, self.summarizer
         self.cache, self.owns_cache = _open_cache(builder.cache)
         if self.cache is not None:
-            from raptor_core.cache import CachedEmbedder, CachedSummarizer
+            from raptor_core.build.cache import CachedEmbedder, CachedSummarizer
 
-            self.embedder = CachedEmbedder(self.embedder, self.cache)
-            self.summarizer = CachedSummarizer(self.summarizer, self.cache)
+            # Only what costs money goes through the cache.  A local model is recomputed:
+            # that is free, and its output depends (by ~1e-7) on what else shares its batch,
+            # which a cache hit changes — enough to move UMAP's layout and give another tree.
+            if getattr(self.embedder, "cacheable", True):
+                self.embedder = CachedEmbedder(self.embedder, self.cache)
+            if getattr(self.summarizer, "cacheable", True):
+                self.summarizer = CachedSummarizer(self.summarizer, self.cache)
         self.usage_seen: dict[str, dict[str, int]] = {}
         self.usage_delta()  # baseline: a reused component may have spent before this build
         self.nodes: list[Node] = []
@@ -426,7 +459,7 @@ class _BuildRun:
                 text = chunk.text
                 self.layer_nodes.append(
                     Node(
-                        id=f"L0.{len(self.layer_nodes)}",
+                        id=leaf_id(doc.doc_id, chunk.start, chunk.end, text),
                         text=text,
                         layer=0,
                         token_count=chunk.token_count
@@ -476,7 +509,8 @@ class _BuildRun:
             chunk = list(texts[i : i + batch])
             try:
                 raw = self.embedder.embed_documents(chunk)
-            except RaptorError:
+            except RaptorError as exc:
+                _say_where(exc, f"layer {self.layer}, embedding texts {i}..{i + len(chunk)}")
                 raise
             except Exception as exc:
                 msg = f"layer {self.layer}: embedding texts {i}..{i + batch} failed: {exc}"
@@ -497,7 +531,8 @@ class _BuildRun:
         start = time.perf_counter()
         try:
             vectors = await self.embedder.aembed_documents(list(texts))
-        except RaptorError:
+        except RaptorError as exc:
+            _say_where(exc, f"layer {self.layer}, embedding {len(texts)} texts")
             raise
         except Exception as exc:
             msg = f"layer {self.layer}: embedding {len(texts)} texts failed: {exc}"
@@ -550,7 +585,7 @@ class _BuildRun:
     # -- stage: cluster ------------------------------------------------------------------------
     def next_clusters(self) -> bool:
         """Cluster the current layer; False when the tree is finished (and why is recorded)."""
-        from raptor_core.clustering import cluster_within_limit
+        from raptor_core.build.clustering import cluster_within_limit
 
         n = len(self.layer_nodes)
         if self.layer >= self.b.max_layers:
@@ -566,7 +601,9 @@ class _BuildRun:
         )
         self.timings["cluster"] += time.perf_counter() - start
         self._progress("cluster", self.layer + 1, self.layer + 1)
-        clusters = [sorted(set(c)) for c in clusters if c]
+        # Two mixture components can claim exactly the same members; one summary serves both
+        # (and the second would get the same id, since ids derive from children).
+        clusters = [list(c) for c in dict.fromkeys(tuple(sorted(set(c))) for c in clusters if c)]
         if len(clusters) <= 1:
             # A layer that re-summarises one cluster adds a node but no structure (issue #2).
             self.stop_reason = f"layer {self.layer} forms a single cluster"
@@ -617,8 +654,7 @@ class _BuildRun:
     def _wrap(self, index: int, exc: BaseException) -> RaptorError:
         where = f"layer {self.layer + 1}, cluster {index} ({len(self.clusters[index])} nodes)"
         if isinstance(exc, RaptorError):
-            # Keep the specific type (an auth error must stay one) but say where it happened.
-            exc.args = (f"{where}: {exc}", *exc.args[1:]) if exc.args else (where,)
+            _say_where(exc, where)
             return exc
         return SummarizationError(f"{where}: summariser failed: {exc!r}")
 
@@ -722,25 +758,17 @@ class _BuildRun:
         children_layer = self.layer_nodes
         self.layer += 1
         new_nodes = []
-        for i, (cluster, summary) in enumerate(zip(self.clusters, summaries, strict=True)):
+        for cluster, summary in zip(self.clusters, summaries, strict=True):
             members = [children_layer[j] for j in cluster]
-            covered: dict[str, None] = {}
-            for member in members:
-                for doc_id in member.doc_ids:
-                    covered.setdefault(doc_id, None)
             carried = len(members) == 1
             new_nodes.append(
-                Node(
-                    id=f"L{self.layer}.{i}",
-                    text=summary,
+                summary_node(
                     layer=self.layer,
+                    text=summary,
+                    members=members,
                     token_count=members[0].token_count
                     if carried
                     else count_tokens(self.tokenizer, summary),
-                    children=tuple(m.id for m in members),
-                    doc_ids=tuple(covered),
-                    # Marks a copy of its only child, so retrieval can skip the duplicate.
-                    metadata={"carried": True} if carried else {},
                 )
             )
         self.layer_nodes = new_nodes
@@ -780,11 +808,51 @@ class _BuildRun:
         )
 
 
+def summary_node(*, layer: int, text: str, members: Sequence[Node], token_count: int) -> Node:
+    """The layer-``layer`` node summarising ``members`` with ``text``.
+
+    Its provenance comes from its members: the documents they cover, the document when there
+    is only one, and the metadata that all of them share (a filter a summary passes is then
+    one that everything below it passes).  A single member is *carried* up unchanged, marked
+    so that retrieval can skip the copy.
+    """
+    covered: dict[str, None] = {}
+    for member in members:
+        for doc_id in member.doc_ids:
+            covered.setdefault(doc_id, None)
+    shared = {
+        key: value
+        for key, value in members[0].metadata.items()
+        if key != "carried" and all(m.metadata.get(key, _MISSING) == value for m in members[1:])
+    }
+    carried = len(members) == 1
+    if carried:
+        shared["carried"] = True
+    return Node(
+        id=summary_id(layer, [m.id for m in members]),
+        text=text,
+        layer=layer,
+        token_count=token_count,
+        children=tuple(m.id for m in members),
+        doc_id=next(iter(covered)) if len(covered) == 1 else None,
+        doc_ids=tuple(covered),
+        metadata=shared,
+    )
+
+
+_MISSING = object()
+
+
+def _say_where(exc: RaptorError, where: str) -> None:
+    """Prefix the place to a typed error's message, keeping its type (an auth error stays one)."""
+    exc.args = (f"{where}: {exc}", *exc.args[1:]) if exc.args else (where,)
+
+
 def _open_cache(cache: object) -> tuple[BuildCache | None, bool]:
     """The build cache to use, and whether this build opened it (and so closes it)."""
     if cache is None:
         return None, False
-    from raptor_core.cache import BuildCache
+    from raptor_core.build.cache import BuildCache
 
     if isinstance(cache, BuildCache):
         return cache, False

@@ -32,17 +32,18 @@ from numpy.typing import NDArray
 from raptor_core._async import run_sync
 from raptor_core._llm import ask_json, call_llm, render
 from raptor_core.exceptions import InvalidParameterError, LLMAuthenticationError
-from raptor_core.llm_search import SELECT_PROMPT, LLMGuidedRetriever, check_timeout
-from raptor_core.retrieval import (
+from raptor_core.retrieval.base import (
     DEFAULT_K,
     DEFAULT_MAX_TOKENS,
     Hit,
     TreeRetriever,
     _check_positive_int,
+    as_store,
 )
+from raptor_core.retrieval.llm import SELECT_PROMPT, LLMGuidedRetriever, check_timeout
+from raptor_core.retrieval.value import DEFAULT_CHUNK_K, ValueBasedRetriever
 from raptor_core.tree import Tree
-from raptor_core.types import LLM, Embedder, VectorIndex
-from raptor_core.value_search import DEFAULT_CHUNK_K, ValueBasedRetriever
+from raptor_core.types import LLM, Embedder, NodeStore, VectorIndex
 
 __all__ = [
     "EXTRACT_PROMPT",
@@ -177,8 +178,8 @@ class HybridRetriever(TreeRetriever):
 
     :meth:`retrieve` returns the hits; :meth:`search` returns a :class:`HybridResult` that
     also says which search found each node, what the judge decided and why the run
-    stopped.  ``Hit.score`` is the finder's score: the NodeScore for ``"value"`` hits, the
-    cosine similarity for ``"llm"`` hits.
+    stopped.  ``Hit.score`` is the finder's score, in [0, 1]: the mean cosine of the node's
+    retrieved chunks for ``"value"`` hits, the cosine similarity for ``"llm"`` hits.
 
     Args:
         tree: the tree to search.
@@ -215,7 +216,7 @@ class HybridRetriever(TreeRetriever):
 
     def __init__(
         self,
-        tree: Tree,
+        tree: Tree | NodeStore,
         embedder: Embedder,
         *,
         llm: LLM,
@@ -234,8 +235,12 @@ class HybridRetriever(TreeRetriever):
         timeout: float | None = 60.0,
         llm_timeout: float | None = None,
         index: VectorIndex | None = None,
+        where: Mapping[str, Any] | None = None,
+        native_filter: Any = None,
     ) -> None:
-        super().__init__(tree, embedder, k=k, max_tokens=max_tokens)
+        super().__init__(
+            tree, embedder, k=k, max_tokens=max_tokens, where=where, native_filter=native_filter
+        )
         self.llm = llm
         self.value_k = value_k
         self.chunk_k = chunk_k
@@ -251,6 +256,11 @@ class HybridRetriever(TreeRetriever):
         self.llm_timeout = llm_timeout
         self.index = index
 
+    @property
+    def store(self) -> NodeStore:
+        """The store searched; with ``index``, a store searching through that index."""
+        return as_store(self.tree, index=self.index)
+
     # -- the two searches ----------------------------------------------------------------------
     def _searches(self) -> tuple[ValueBasedRetriever, LLMGuidedRetriever]:
         value = ValueBasedRetriever(
@@ -262,6 +272,8 @@ class HybridRetriever(TreeRetriever):
             include=self.include,
             min_score=self.min_score,
             index=self.index,
+            where=self.where,
+            native_filter=self.native_filter,
         )
         guided = LLMGuidedRetriever(
             self.tree,
@@ -276,6 +288,8 @@ class HybridRetriever(TreeRetriever):
             min_score=self.min_score,
             llm_timeout=self.llm_timeout,
             prompt=SELECT_PROMPT,
+            where=self.where,
+            native_filter=self.native_filter,
         )
         return value, guided
 
@@ -302,7 +316,7 @@ class HybridRetriever(TreeRetriever):
             LLMAuthenticationError: the LLM rejected the credentials.
         """
         k, max_tokens = self._resolve(query, k, max_tokens)
-        if len(self.tree) == 0:
+        if len(self.store) == 0:
             return HybridResult()
         vector = self.embed_query(query)
         return run_sync(lambda: self._run(query, vector, k=k, max_tokens=max_tokens))
@@ -312,7 +326,7 @@ class HybridRetriever(TreeRetriever):
     ) -> HybridResult:
         """Async :meth:`search`; safe inside a running event loop."""
         k, max_tokens = self._resolve(query, k, max_tokens)
-        if len(self.tree) == 0:
+        if len(self.store) == 0:
             return HybridResult()
         vector = await self.aembed_query(query)
         return await self._run(query, vector, k=k, max_tokens=max_tokens)
@@ -336,8 +350,10 @@ class HybridRetriever(TreeRetriever):
         value_k = math.ceil(k / 2) if self.value_k is None else int(self.value_k)
 
         async def value_search() -> None:
-            ranking = value.score_nodes(vector)  # milliseconds of numpy: no thread needed
-            for position in range(min(value_k, ranking.rows.shape[0])):
+            # Inline, not in a thread: it is one store search and a walk up the parents
+            # (milliseconds in memory), and running it first keeps arrival order repeatable.
+            ranking = value.score_nodes(vector)
+            for position in range(min(value_k, len(ranking))):
                 run.offer(value.hit(ranking, position))
 
         async def llm_search() -> None:

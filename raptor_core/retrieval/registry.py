@@ -10,15 +10,18 @@ import inspect
 from typing import Any
 
 from raptor_core.exceptions import InvalidParameterError
-from raptor_core.hybrid import HybridRetriever
-from raptor_core.llm_search import LLMGuidedRetriever
-from raptor_core.retrieval import CollapsedTreeRetriever, TreeRetriever
-from raptor_core.traversal import TreeTraversalRetriever
+from raptor_core.retrieval.base import TreeRetriever
+from raptor_core.retrieval.collapsed import CollapsedTreeRetriever
+from raptor_core.retrieval.hybrid import HybridRetriever
+from raptor_core.retrieval.llm import LLMGuidedRetriever
+from raptor_core.retrieval.mmr import MMRRetriever
+from raptor_core.retrieval.passage import PassageRetriever
+from raptor_core.retrieval.traversal import TreeTraversalRetriever
+from raptor_core.retrieval.value import ValueBasedRetriever
 from raptor_core.tree import Tree
 from raptor_core.types import LLM, Embedder
-from raptor_core.value_search import ValueBasedRetriever
 
-__all__ = ["RETRIEVERS", "STRATEGIES", "accepted_params", "make_retriever"]
+__all__ = ["DEFAULT_STRATEGY", "RETRIEVERS", "STRATEGIES", "accepted_params", "make_retriever"]
 
 #: Strategy name -> retriever class.
 RETRIEVERS: dict[str, type[TreeRetriever]] = {
@@ -27,8 +30,12 @@ RETRIEVERS: dict[str, type[TreeRetriever]] = {
     "value": ValueBasedRetriever,
     "llm": LLMGuidedRetriever,
     "hybrid": HybridRetriever,
+    "mmr": MMRRetriever,
+    "passage": PassageRetriever,
 }
 STRATEGIES: tuple[str, ...] = tuple(RETRIEVERS)
+#: The strategy the CLI, ``raptor eval`` and the adapters use when none is named.
+DEFAULT_STRATEGY = "passage"
 _NEEDS_LLM = frozenset({"llm", "hybrid"})
 
 

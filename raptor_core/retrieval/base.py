@@ -1,4 +1,4 @@
-"""Retrieval over a RAPTOR tree: the shared result type, the base class, collapsed-tree search.
+"""What every retrieval strategy shares: the result type, the base class, budget and ranking helpers.
 
 Every strategy is an object with ``retrieve(query, *, k=None, max_tokens=None) -> list[Hit]``
 and an async twin ``aretrieve``.  The public methods validate and then call ``_retrieve``
@@ -10,25 +10,35 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from raptor_core._structure import block_scores, structure
 from raptor_core.exceptions import EmbeddingError, InvalidInputError, InvalidParameterError
+from raptor_core.store.filters import check_where
 from raptor_core.tree import Node, Tree
-from raptor_core.types import AsyncEmbedder, Embedder, VectorIndex
+from raptor_core.types import AsyncEmbedder, Embedder, NodeFilter, NodeStore, VectorIndex
 
 __all__ = [
     "DEFAULT_K",
     "DEFAULT_MAX_TOKENS",
-    "CollapsedTreeRetriever",
     "Hit",
     "TreeRetriever",
+    "as_store",
+    "check_choice",
+    "check_layers",
+    "check_similarity",
+    "fill_budget",
+    "normalize_query",
+    "selection_path",
+    "similarity_score",
+    "top_layer",
+    "top_rows",
 ]
 
 logger = logging.getLogger(__name__)
@@ -41,16 +51,22 @@ DEFAULT_MAX_TOKENS = 2000
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hit:
-    """One retrieved node.
+    """One retrieved node, or one passage of consecutive leaves.
 
     Attributes:
-        node: the tree node.
-        score: cosine similarity to the query (value-based search: the NodeScore).
+        node: the tree node; for a passage (see ``leaves``), a node made for the hit and not
+            stored in the tree, whose text is the passage.
+        score: how well the hit matches the query, in [0, 1], on one scale for every
+            strategy: a cosine similarity clipped at 0 (of the node; for value-based search
+            the mean over the node's retrieved chunks; for a passage its best leaf).
         source: the strategy or search that selected it (``"collapsed"``, ``"traversal"``,
-            ``"value"``, ``"llm"``, ...).
+            ``"value"``, ``"llm"``, ``"passage"``, ...).
         path: ids of the selected nodes leading to this one, root-most first, ending with it.
         reason: why it was selected, when the strategy can say (an LLM's reason, ...).
-        evidence: ``(chunk id, chunk score)`` pairs that produced the score (value-based).
+        evidence: ``(chunk id, chunk score)`` pairs that produced the score (value-based
+            search; for a passage, each of its leaves with its cosine similarity).
+        leaves: for a passage, the ids of the consecutive leaves of one document whose text
+            ``node.text`` joins, in document order; empty when ``node`` is a stored node.
     """
 
     node: Node
@@ -59,6 +75,7 @@ class Hit:
     path: tuple[str, ...] = ()
     reason: str | None = None
     evidence: tuple[tuple[str, float], ...] = ()
+    leaves: tuple[str, ...] = ()
 
     @property
     def layer(self) -> int:
@@ -71,6 +88,15 @@ class Hit:
         return self.node.id
 
 
+def similarity_score(cosine: float) -> float:
+    """A cosine similarity as a hit score in [0, 1]: negative similarity means unrelated (0).
+
+    Every strategy reports its ``Hit.score`` on this scale (the cosine of the hit's text, or
+    of the evidence behind it), so one ``score_threshold`` means the same for all of them.
+    """
+    return min(1.0, max(0.0, float(cosine)))
+
+
 def _check_positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -79,10 +105,13 @@ def _check_positive_int(name: str, value: object, *, allow_none: bool = False) -
         raise InvalidParameterError(msg)
 
 
-def normalize_query(vector: object, dim: int) -> NDArray[np.float32]:
-    """Validate a query embedding and return it unit-normalised as float32 ``(d,)``."""
+def normalize_query(vector: object, dim: int | None) -> NDArray[np.float32]:
+    """Validate a query embedding and return it unit-normalised as float32 ``(d,)``.
+
+    ``dim`` None (a store that does not know its dimension) skips the dimension check.
+    """
     q = np.asarray(vector, dtype=np.float32).reshape(-1)
-    if q.shape[0] != dim:
+    if dim is not None and q.shape[0] != dim:
         msg = (
             f"query embedding has dimension {q.shape[0]} but the tree has {dim}: "
             "use the embedder the tree was built with"
@@ -136,11 +165,21 @@ def top_rows(scores: NDArray[np.float32], m: int) -> NDArray[np.intp]:
 class TreeRetriever(ABC):
     """Base class of the tree retrieval strategies.
 
+    Every strategy reads the tree through a :class:`~raptor_core.types.NodeStore`: pass a
+    :class:`~raptor_core.tree.Tree` (wrapped in an :class:`InMemoryNodeStore`, shared by all
+    retrievers over that tree) or any store (the file store, a LlamaIndex or LangChain
+    vector store through the adapters).
+
     Args:
-        tree: the tree to search.
+        tree: what to search: a :class:`Tree` or a :class:`~raptor_core.types.NodeStore`.
         embedder: embeds the query; must be the model the tree was built with.
         k: default number of hits.
         max_tokens: default context budget (sum of the hits' token counts); None = unbounded.
+        where: a metadata filter in the core's dialect (:mod:`raptor_core.store.filters`):
+            only nodes that pass it are returned.  A summary passes when the metadata shared
+            by everything it condenses does (e.g. ``{"doc_id": "report-2024"}`` keeps that
+            document's leaves and the summaries of that document alone).
+        native_filter: a filter in the store's own dialect, ANDed with ``where``.
     """
 
     #: Name recorded in ``Hit.source``.
@@ -148,16 +187,25 @@ class TreeRetriever(ABC):
 
     def __init__(
         self,
-        tree: Tree,
+        tree: Tree | NodeStore,
         embedder: Embedder,
         *,
         k: int = DEFAULT_K,
         max_tokens: int | None = DEFAULT_MAX_TOKENS,
+        where: Mapping[str, Any] | None = None,
+        native_filter: Any = None,
     ) -> None:
         self.tree = tree
         self.embedder = embedder
         self.k = k
         self.max_tokens = max_tokens
+        self.where = where
+        self.native_filter = native_filter
+
+    @property
+    def store(self) -> NodeStore:
+        """The :class:`~raptor_core.types.NodeStore` searched (a Tree is wrapped once)."""
+        return as_store(self.tree)
 
     def get_params(self) -> dict[str, Any]:
         """The keyword parameters as stored (scikit-learn style); models and indexes excluded."""
@@ -183,15 +231,25 @@ class TreeRetriever(ABC):
         max_tokens = self.max_tokens if max_tokens is None else max_tokens
         _check_positive_int("k", k)
         _check_positive_int("max_tokens", max_tokens, allow_none=True)
+        if self.where is not None:
+            check_where(self.where)
         self._validate()
         return int(k), None if max_tokens is None else int(max_tokens)
 
     def _validate(self) -> None:  # noqa: B027 - an optional hook, not an abstract method
         """Strategy-specific parameter checks; raise InvalidParameterError."""
 
+    def node_filter(self, **structure: Any) -> NodeFilter:
+        """A :class:`NodeFilter` with the retriever's user filters and ``structure``."""
+        return NodeFilter(where=self.where, native=self.native_filter, **structure)
+
+    def _dim(self) -> int | None:
+        dim = getattr(self.store, "dim", None)
+        return int(dim) if isinstance(dim, int | np.integer) else None
+
     def embed_query(self, query: str) -> NDArray[np.float32]:
         """Embed and normalise the query with the retriever's embedder."""
-        return normalize_query(self.embedder.embed_query(query), self.tree.dim)
+        return normalize_query(self.embedder.embed_query(query), self._dim())
 
     async def aembed_query(self, query: str) -> NDArray[np.float32]:
         """Async :meth:`embed_query`: native when the embedder is async, else in a thread."""
@@ -199,7 +257,7 @@ class TreeRetriever(ABC):
             vector = await self.embedder.aembed_query(query)
         else:
             vector = await asyncio.to_thread(self.embedder.embed_query, query)
-        return normalize_query(vector, self.tree.dim)
+        return normalize_query(vector, self._dim())
 
     def retrieve(
         self,
@@ -224,12 +282,12 @@ class TreeRetriever(ABC):
             EmbeddingError: ``embedding`` has the wrong dimension, NaN values or zero norm.
         """
         k, max_tokens = self._resolve(query, k, max_tokens)
-        if len(self.tree) == 0:
+        if len(self.store) == 0:
             return []
         vector = (
             self.embed_query(query)
             if embedding is None
-            else normalize_query(embedding, self.tree.dim)
+            else normalize_query(embedding, self._dim())
         )
         hits = self._retrieve(query, vector, k=k, max_tokens=max_tokens)
         logger.debug("%s: %d hits for %r", type(self).__name__, len(hits), query[:80])
@@ -245,12 +303,12 @@ class TreeRetriever(ABC):
     ) -> list[Hit]:
         """Async :meth:`retrieve`; safe inside a running event loop."""
         k, max_tokens = self._resolve(query, k, max_tokens)
-        if len(self.tree) == 0:
+        if len(self.store) == 0:
             return []
         if embedding is None:
             vector = await self.aembed_query(query)
         else:
-            vector = normalize_query(embedding, self.tree.dim)
+            vector = normalize_query(embedding, self._dim())
         return await self._aretrieve(query, vector, k=k, max_tokens=max_tokens)
 
     @abstractmethod
@@ -267,156 +325,61 @@ class TreeRetriever(ABC):
         return self._retrieve(query, vector, k=k, max_tokens=max_tokens)
 
 
-class CollapsedTreeRetriever(TreeRetriever):
-    """Collapsed-tree retrieval (RAPTOR, section 3): all layers in one pool, ranked by cosine.
+# One store per (tree, index) pair, dropped with the tree.
+_STORES: weakref.WeakKeyDictionary[Tree, dict[int, NodeStore]] = weakref.WeakKeyDictionary()
+
+
+def as_store(tree: Tree | NodeStore, *, index: VectorIndex | None = None) -> NodeStore:
+    """``tree`` as a :class:`NodeStore`: a Tree is wrapped once (shared by its retrievers).
 
     Args:
-        tree: the tree to search.
-        embedder: embeds the query.
-        k: maximum number of hits.
-        max_tokens: context budget; the paper uses 2,000.
-        layers: search only these layers (the paper's Table 8 ablation: ``[0]`` = leaves only,
-            ``[top]`` = top layer only).
-        min_score: drop nodes whose cosine similarity is below this.
-        index: a :class:`~raptor_core.types.VectorIndex` holding the tree's nodes by id
-            (``NumpyIndex.from_tree(tree)``, ``FaissIndex.from_tree(tree)``); None = an exact
-            numpy product over the tree's embedding matrix.
+        tree: a Tree or a NodeStore (returned as is).
+        index: a :class:`VectorIndex` already holding the tree's nodes, to search through
+            (the pre-store ``index=`` parameter of the strategies); only with a Tree.
 
-    Examples:
-        >>> from raptor_core.testing import FakeEmbedder, tiny_tree
-        >>> tree = tiny_tree()
-        >>> hits = CollapsedTreeRetriever(tree, FakeEmbedder(dim=tree.dim), k=2).retrieve("cats")
-        >>> len(hits)
-        2
+    Raises:
+        InvalidParameterError: ``tree`` is neither a Tree nor a NodeStore, or ``index`` is
+            given with a store.
     """
+    if isinstance(tree, Tree):
+        stores = _STORES.setdefault(tree, {})
+        store = stores.get(id(index))
+        if store is None:
+            from raptor_core.store.memory import InMemoryNodeStore
 
-    source = "collapsed"
-
-    def __init__(
-        self,
-        tree: Tree,
-        embedder: Embedder,
-        *,
-        k: int = DEFAULT_K,
-        max_tokens: int | None = DEFAULT_MAX_TOKENS,
-        layers: Collection[int] | None = None,
-        min_score: float | None = None,
-        index: VectorIndex | None = None,
-    ) -> None:
-        super().__init__(tree, embedder, k=k, max_tokens=max_tokens)
-        self.layers = layers
-        self.min_score = min_score
-        self.index = index
-
-    def _validate(self) -> None:
-        check_layers("layers", self.layers, self.tree)
-        check_similarity("min_score", self.min_score)
-
-    def _retrieve(
-        self, query: str, vector: NDArray[np.float32], *, k: int, max_tokens: int | None
-    ) -> list[Hit]:
-        if self.index is not None:
-            rows, scores = self._ranked_from_index(self.index, vector, k=k, max_tokens=max_tokens)
-            taken = fill_budget(
-                range(rows.shape[0]), self.tree.token_counts[rows], k=k, max_tokens=max_tokens
-            )
-            return [self._hit(int(rows[i]), float(scores[i])) for i in taken]
-        all_scores, pool = block_scores(self.tree, vector, self.layers)  # (n_candidates,)
-        tokens = self.tree.token_counts if pool is None else self.tree.token_counts[pool]
-        carried = self.tree.carried_mask if pool is None else self.tree.carried_mask[pool]
-        taken = rank_and_fill(
-            all_scores,
-            tokens,
-            k=k,
-            max_tokens=max_tokens,
-            min_score=self.min_score,
-            exclude=carried,
-        )
-        return [
-            self._hit(int(local) if pool is None else int(pool[local]), float(all_scores[local]))
-            for local in taken
-        ]
-
-    def _hit(self, row: int, score: float) -> Hit:
-        node = self.tree.nodes[row]
-        return Hit(node=node, score=score, source=self.source, path=(node.id,))
-
-    def _ranked_from_index(
-        self, index: VectorIndex, vector: NDArray[np.float32], *, k: int, max_tokens: int | None
-    ) -> tuple[NDArray[np.intp], NDArray[np.float32]]:
-        """Rows and scores from ``index``, enough of them to fill ``k`` within the budget."""
-        struct = structure(self.tree)
-        restrict = None if self.layers is None else struct.id_set(self.layers)
-        n = len(self.tree) if restrict is None else len(restrict)
-        m = min(n, max(4 * k, 64))
-        while True:
-            pairs = index.search(vector, m, restrict_to=restrict)
-            rows = rows_of(self.tree, [i for i, _ in pairs])
-            scores = np.fromiter((s for _, s in pairs), dtype=np.float32, count=len(pairs))
-            original = ~self.tree.carried_mask[rows]  # skip copies of a single child
-            rows, scores = rows[original], scores[original]
-            if self.min_score is not None:
-                keep = scores >= self.min_score
-                exhausted = not bool(keep.all())
-                rows, scores = rows[keep], scores[keep]
-            else:
-                exhausted = False
-            taken = fill_budget(
-                range(rows.shape[0]), self.tree.token_counts[rows], k=k, max_tokens=max_tokens
-            )
-            full = (
-                max_tokens is not None
-                and int(self.tree.token_counts[rows[taken]].sum()) >= max_tokens
-            )
-            if len(taken) >= k or full or exhausted or len(pairs) < m or m >= n:
-                return rows, scores
-            m = min(n, m * 4)
+            # The store keeps ``index`` alive, so its id() cannot be reused while cached.
+            store = stores[id(index)] = InMemoryNodeStore.from_tree(tree, index=index)
+        return store
+    if index is not None:
+        msg = "index= applies to a Tree; a NodeStore searches with its own index"
+        raise InvalidParameterError(msg)
+    if isinstance(tree, NodeStore):
+        return tree
+    msg = f"expected a Tree or a NodeStore to search, got {type(tree).__name__}"
+    raise InvalidParameterError(msg)
 
 
-def rows_of(tree: Tree, ids: Sequence[str]) -> NDArray[np.intp]:
-    """Rows of ids returned by an index; a clear error when the index is not the tree's."""
-    try:
-        return tree.rows(ids)
-    except KeyError as exc:
-        msg = (
-            f"the vector index returned id {exc.args[0]!r}, which is not in the tree: "
-            "build the index from this tree"
-        )
-        raise InvalidParameterError(msg) from None
+def top_layer(store: NodeStore, where: NodeFilter | None = None) -> int:
+    """The highest layer of ``store`` holding a node that passes ``where`` (-1: none).
 
-
-def rank_and_fill(
-    scores: NDArray[np.float32],
-    tokens: NDArray[np.int64],
-    *,
-    k: int,
-    max_tokens: int | None,
-    min_score: float | None = None,
-    exclude: NDArray[np.bool_] | None = None,
-) -> list[int]:
-    """Positions of the best ``scores`` that fill ``k`` hits within ``max_tokens`` (best first).
-
-    Positions where ``exclude`` is True are never taken.
-
-    Only a prefix of the ranking is sorted (``argpartition``); it grows when nodes that do not
-    fit the budget had to be skipped.
+    Uses the store's ``top_layer`` attribute when there is no filter, else probes layers
+    from the top with one-result searches.
     """
-    n = scores.shape[0]
-    m = min(n, max(4 * k, 64))
-    while True:
-        ranked = top_rows(scores, m)
-        exhausted = False
-        if min_score is not None:
-            keep = scores[ranked] >= min_score
-            exhausted = not bool(keep.all())  # ranked is sorted: nothing further qualifies
-            ranked = ranked[keep]
-        if exclude is not None:
-            ranked = ranked[~exclude[ranked]]
-        taken = fill_budget(ranked, tokens, k=k, max_tokens=max_tokens)
-        budget_full = max_tokens is not None and int(tokens[taken].sum()) >= max_tokens
-        if len(taken) >= k or budget_full or exhausted or m >= n:
-            return taken
-        m = min(n, m * 4)
+    known = getattr(store, "top_layer", None)
+    if not isinstance(known, int | np.integer):
+        known = max((node.layer for node in store), default=-1)
+    if where is None or (where.where is None and where.native is None and where.doc_ids is None):
+        return int(known)
+    dim = getattr(store, "dim", None)
+    if not isinstance(dim, int | np.integer) or dim <= 0:
+        return int(known)
+    probe = np.zeros(int(dim), dtype=np.float32)
+    probe[0] = 1.0
+    for layer in range(int(known), -1, -1):
+        kept = replace(where, layers=frozenset({layer}))
+        if store.search(probe, 1, where=kept):
+            return layer
+    return -1
 
 
 def check_similarity(name: str, value: object, *, allow_none: bool = True) -> None:
@@ -432,14 +395,14 @@ def check_similarity(name: str, value: object, *, allow_none: bool = True) -> No
         raise InvalidParameterError(msg)
 
 
-def check_layers(name: str, layers: Collection[int] | None, tree: Tree) -> None:
+def check_layers(name: str, layers: Collection[int] | None, tree: Tree | NodeStore) -> None:
     """Raise InvalidParameterError unless ``layers`` is None or a non-empty set of tree layers."""
     if layers is None:
         return
     if isinstance(layers, str | bytes) or not isinstance(layers, Collection):
         msg = f"{name} must be a collection of layer numbers, got {layers!r}"
         raise InvalidParameterError(msg)
-    top = tree.top_layer
+    top = tree.top_layer if isinstance(tree, Tree) else top_layer(tree)
     bad = [
         x
         for x in layers
@@ -457,9 +420,12 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> None:
         raise InvalidParameterError(msg)
 
 
-def selection_path(tree: Tree, via: dict[int, int], row: int) -> tuple[str, ...]:
-    """Ids from the root-most selected ancestor down to ``row``, following ``via`` upwards."""
-    chain = [row]
-    while chain[-1] in via and len(chain) <= tree.num_layers:
+def selection_path(via: Mapping[str, str], node_id: str) -> tuple[str, ...]:
+    """Ids from the root-most selected ancestor down to ``node_id``, following ``via`` upwards.
+
+    ``via`` maps a node to the selected parent that led to it.
+    """
+    chain = [node_id]
+    while chain[-1] in via and len(chain) <= len(via):
         chain.append(via[chain[-1]])
-    return tuple(tree.nodes[r].id for r in reversed(chain))
+    return tuple(reversed(chain))

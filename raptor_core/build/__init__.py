@@ -1,0 +1,23 @@
+"""Building a tree: chunk, embed, cluster, summarise, repeat.
+
+``chunking``     sentence-boundary chunks of ~100 tokens
+``clustering``   UMAP + Gaussian mixtures chosen by BIC, global then local
+``summarizers``  the offline extractive summariser and the LLM one
+``builder``      :class:`TreeBuilder`, which runs the stages layer by layer
+``cache``        a content-addressed cache of summaries and embeddings (resume a build)
+"""
+
+from __future__ import annotations
+
+from raptor_core.build.builder import TreeBuilder
+from raptor_core.build.chunking import SentenceChunker
+from raptor_core.build.clustering import GMMClusterer
+from raptor_core.build.summarizers import ExtractiveSummarizer, LLMSummarizer
+
+__all__ = [
+    "ExtractiveSummarizer",
+    "GMMClusterer",
+    "LLMSummarizer",
+    "SentenceChunker",
+    "TreeBuilder",
+]

@@ -1,0 +1,710 @@
+"""Passage retrieval: leaf hits grown into contiguous passages of their document.
+
+Flat chunk retrieval returns ~100-token fragments in score order.  A tree knows more: its
+leaves carry their document and position (``doc_id``, ``span``), so it knows which chunks
+are neighbours, and its node texts support a lexical index.  Evidence that a reader needs
+(a paragraph, a story section, a stretch of a meeting) is usually longer than one chunk
+and rarely aligned with chunk boundaries, so a chunk next to a strong hit is often worth
+more than the next fragment elsewhere.  This strategy:
+
+1. ranks the leaves as *seeds*, best first, by their strongest signal relative to that
+   signal's best leaf: ``max(cosine / best cosine, BM25 / best BM25)`` (:func:`seed_strength`);
+2. grows each seed into a passage with up to ``window`` adjacent leaves on each side, as
+   long as each added leaf is itself relevant: within the ``rank_factor * K`` best leaves
+   by cosine similarity **or** by BM25, where ``K`` is the number of leaves the budget holds
+   (``max_tokens`` over the mean leaf length).  The threshold is relative to the budget:
+   the context a seed brings along must be as relevant as what flat retrieval with a few
+   times the budget would have returned anyway;
+3. merges passages that touch into one, and fills the budget; the passage that first fails
+   to fit is cut to the tokens left (as a reader's context window would cut it), so the
+   budget is used to the last token and never exceeded.
+
+Seeds are not an equal-weight fusion of the two signals: BM25's few strongest matches
+become seeds next to the dense ones, but below them the dense order rules, because on
+factoid questions over long pages BM25 often promotes chunks that repeat the question's
+words without the answer.
+
+What was measured and dropped (``benchmarks/results/quality.md``, development half of the
+documents): seeds by reciprocal-rank fusion of dense and BM25 (loses on NQ), expanding
+every seed regardless of relevance (loses on NQ at 400 tokens), cluster or summary scores
+smoothing leaf scores, routing through the best summary, and restricting expansion to
+leaves of the same cluster (adjacent leaves share a cluster only 20-35% of the time with
+the extractive summariser's clusters): none beat the rule above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from raptor_core.exceptions import InvalidParameterError
+from raptor_core.retrieval.base import (
+    DEFAULT_K,
+    DEFAULT_MAX_TOKENS,
+    Hit,
+    TreeRetriever,
+    check_similarity,
+    similarity_score,
+    top_rows,
+)
+from raptor_core.retrieval.lexical import BM25Index
+from raptor_core.tree import Node, Tree, is_carried
+from raptor_core.types import Embedder, NodeStore, Tokenizer
+
+__all__ = [
+    "DEFAULT_RANK_FACTOR",
+    "DEFAULT_WINDOW",
+    "PassageRetriever",
+    "seed_strength",
+    "tree_tokenizer",
+]
+
+#: A neighbour joins a passage when it ranks within this many times the leaves that fit
+#: the budget (by cosine or BM25).  Measured on the development documents: 3 to 6 score
+#: alike; below 2 passages rarely grow, above 8 they take budget from distinct hits.
+DEFAULT_RANK_FACTOR = 4.0
+#: At most this many leaves are added on each side of a seed: a passage of up to five
+#: ~100-token leaves holds a long paragraph or a story section without letting one seed
+#: take a small budget.  1 to 3 scored alike.
+DEFAULT_WINDOW = 2
+
+
+@dataclass(frozen=True, slots=True)
+class _LeafOrder:
+    """Each leaf's neighbours in its document: ``prev``/``next`` leaf ordinals, -1 at the ends."""
+
+    prev: NDArray[np.intp]
+    next: NDArray[np.intp]
+
+
+class _Leaves:
+    """A store's leaves as passages need them: nodes, tokens, neighbours, a BM25 index.
+
+    Built by iterating the store once; kept per store (weakly) while the store holds the
+    same number of nodes.
+    """
+
+    def __init__(self, store: NodeStore) -> None:
+        self.size = len(store)
+        self.nodes = [n for n in store if n.layer == 0 and not is_carried(n)]
+        self.ordinal = {node.id: i for i, node in enumerate(self.nodes)}
+        n = len(self.nodes)
+        self.tokens = np.fromiter((node.token_count for node in self.nodes), np.int64, n)
+        # Neighbours: same doc_id, consecutive by span start; ties keep the store's order.
+        by_doc: dict[str | None, list[tuple[int, int]]] = {}
+        for i, node in enumerate(self.nodes):
+            start = node.span[0] if node.span is not None else 0
+            by_doc.setdefault(node.doc_id, []).append((start, i))
+        prev = np.full(n, -1, dtype=np.intp)
+        nxt = np.full(n, -1, dtype=np.intp)
+        for members in by_doc.values():
+            ordered = [i for _, i in sorted(members)]
+            prev[ordered[1:]] = ordered[:-1]
+            nxt[ordered[:-1]] = ordered[1:]
+        self.order = _LeafOrder(prev=prev, next=nxt)
+        self._bm25: BM25Index | None = None
+
+    @property
+    def bm25(self) -> BM25Index:
+        """BM25 over the leaf texts, built on first use."""
+        if self._bm25 is None:
+            self._bm25 = BM25Index([node.text for node in self.nodes])
+        return self._bm25
+
+
+_LEAVES: weakref.WeakKeyDictionary[Any, _Leaves] = weakref.WeakKeyDictionary()
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, list[Tokenizer | None]] = weakref.WeakKeyDictionary()
+
+
+def _leaves(store: NodeStore) -> _Leaves:
+    try:
+        cached = _LEAVES.get(store)
+    except TypeError:  # a store that cannot be weakly referenced: no cache
+        return _Leaves(store)
+    if cached is None or cached.size != len(store):
+        cached = _Leaves(store)
+        _LEAVES[store] = cached
+    return cached
+
+
+#: Encodings a tree file may name for the budget tokenizer (tiktoken's own; data, not code).
+_ENCODINGS = frozenset({"cl100k_base", "o200k_base", "p50k_base", "r50k_base"})
+
+
+def _tokenizer_from_record(record: object) -> Tokenizer | None:
+    """The tokenizer a tree's params describe, from a closed allowlist; else None.
+
+    A tree file is data: only raptor_core's own local tokenizers are re-created, with a
+    validated encoding name.  Anything else means passages are whole leaves only.
+    """
+    if not isinstance(record, Mapping):
+        return None
+    kind = record.get("class")
+    if kind == "raptor_core.tokenizers.TiktokenTokenizer":
+        encoding = record.get("encoding_name", "cl100k_base")
+        if encoding not in _ENCODINGS:
+            return None
+        from raptor_core.tokenizers import TiktokenTokenizer
+
+        return TiktokenTokenizer(str(encoding))
+    if kind == "raptor_core.tokenizers.RegexTokenizer":
+        from raptor_core.tokenizers import RegexTokenizer
+
+        return RegexTokenizer()
+    if kind == "raptor_core.testing.WhitespaceTokenizer":
+        from raptor_core.testing import WhitespaceTokenizer
+
+        return WhitespaceTokenizer()
+    return None
+
+
+def tree_tokenizer(tree: object) -> Tokenizer | None:
+    """The tokenizer a tree was built with, when its params name an allowlisted one.
+
+    A store that knows how its tree was built exposes the same ``params`` (the in-memory
+    store keeps the tree's; the adapters' stores read them back as descriptions).
+    """
+    params = getattr(tree, "params", None)
+    if not isinstance(params, Mapping):
+        return None
+    try:
+        cached = _TOKENIZERS.get(tree)
+    except TypeError:  # not weakly referenceable: no cache
+        cached = None
+    if cached is None:
+        try:
+            tokenizer = _tokenizer_from_record(params.get("tokenizer"))
+        except (ImportError, OSError, ValueError):
+            tokenizer = None  # e.g. tiktoken missing: passages are whole leaves only
+        cached = [tokenizer]
+        with contextlib.suppress(TypeError):  # not weakly referenceable: no cache
+            _TOKENIZERS[tree] = cached
+    return cached[0]
+
+
+def seed_strength(
+    cosine: NDArray[np.float32], lexical: NDArray[np.float32] | None
+) -> NDArray[np.float64]:
+    """How strongly each leaf seeds a passage, in [0, 1]: its best signal relative to that signal's best leaf.
+
+    ``max(cosine / best cosine, BM25 / best BM25)`` (negative cosines count as 0).  Each
+    signal's top leaf scores 1, so BM25's strongest matches become seeds next to the dense
+    ones; but cosines of related chunks are close together while BM25 scores fall off
+    quickly, so below its first few matches BM25 rarely outranks the dense order.  That is
+    the point: on factoid questions over long pages, BM25 ranks chunks that repeat the
+    question's words above the answer, and an equal-weight fusion loses those answers.
+
+    Examples:
+        >>> import numpy as np
+        >>> seed_strength(np.array([0.5, 0.4, -0.1], dtype=np.float32), np.array([0.0, 2.0, 1.0]))
+        array([1. , 1. , 0.5])
+    """
+    dense = np.maximum(cosine.astype(np.float64), 0.0)
+    top = float(dense.max()) if dense.size else 0.0
+    strength = dense / top if top > 0 else dense
+    if lexical is not None and lexical.size and float(lexical.max()) > 0:
+        strength = np.maximum(strength, lexical.astype(np.float64) / float(lexical.max()))
+    return strength
+
+
+def _best(scores: NDArray[np.float32], m: int, *, positive_only: bool = False) -> NDArray[np.bool_]:
+    """A mask of the ``m`` best entries of ``scores`` (only those > 0 when ``positive_only``)."""
+    mask = np.zeros(scores.shape[0], dtype=bool)
+    if m <= 0 or scores.shape[0] == 0:
+        return mask
+    best = top_rows(scores, min(m, scores.shape[0]))
+    if positive_only:
+        best = best[scores[best] > 0]
+    mask[best] = True
+    return mask
+
+
+#: Passages are joined leaf texts; leaves end at sentence boundaries, so a line break
+#: between them reads naturally for paragraphs, transcript turns and table rows alike.
+SEPARATOR = "\n"
+
+
+@dataclass(frozen=True, slots=True)
+class _Ranking:
+    """The seed candidates of one query (see ``PassageRetriever._rank``)."""
+
+    cosine: NDArray[np.float32]  # (n_leaves,) cosine of fetched leaves, NaN elsewhere
+    relevant: NDArray[np.bool_]  # (n_leaves,) leaves a passage may grow into
+    strength: NDArray[np.float64]  # (n_leaves,) seed strength of fetched leaves
+    seeds: NDArray[np.intp]  # fetched leaves, strongest first
+    position: NDArray[np.intp]  # (n_leaves,) place of each leaf among the seeds
+    bound: float  # no leaf left out has a strength above this
+    everything: bool  # every leaf that passes the filters was fetched
+
+
+class _Selection:
+    """Greedy leaf selection under a token budget and a cap on the number of passages.
+
+    Costs are upper bounds: a leaf's token count plus one token per join with an already
+    selected neighbour (the separator).  The exact count of each joined passage is taken
+    afterwards, when a tokenizer is available.
+    """
+
+    def __init__(
+        self,
+        tokens: NDArray[np.int64],
+        order: _LeafOrder,
+        max_tokens: int | None,
+        k: int,
+        *,
+        allow_cut: bool,
+    ) -> None:
+        self.tokens = tokens
+        self.order = order
+        self.max_tokens = max_tokens
+        self.k = k
+        self.allow_cut = allow_cut
+        self.taken = np.zeros(tokens.shape[0], dtype=bool)
+        self.used = 0
+        self.passages = 0
+        self.cut: int | None = None  # the leaf that first failed to fit (cut later)
+        self.done = False
+
+    def _joins(self, leaf: int) -> int:
+        return sum(
+            1
+            for other in (self.order.prev[leaf], self.order.next[leaf])
+            if other >= 0 and self.taken[other]
+        )
+
+    def add(self, group: list[int]) -> None:
+        """Take the leaves of ``group`` (a seed, then its neighbours) while they fit."""
+        for leaf in group:
+            if self.taken[leaf]:
+                continue
+            joins = self._joins(leaf)
+            if self.passages + 1 - joins > self.k:
+                return  # it would open one passage too many
+            cost = int(self.tokens[leaf]) + joins
+            if self.max_tokens is not None and self.used + cost > self.max_tokens:
+                if self.allow_cut:
+                    self.cut = leaf
+                    self.done = True
+                    return
+                continue  # whole leaves only: a later, shorter one may still fit
+            self.taken[leaf] = True
+            self.used += cost
+            self.passages += 1 - joins
+            if self.passages >= self.k or (
+                self.max_tokens is not None and self.used >= self.max_tokens
+            ):
+                self.done = True
+                return
+
+    def runs(self) -> list[list[int]]:
+        """The selected leaves as maximal runs of neighbours, each in document order."""
+        runs = []
+        for leaf in np.flatnonzero(self.taken).tolist():
+            if self.order.prev[leaf] >= 0 and self.taken[self.order.prev[leaf]]:
+                continue  # not the first leaf of its run
+            run = [leaf]
+            while self.order.next[run[-1]] >= 0 and self.taken[self.order.next[run[-1]]]:
+                run.append(int(self.order.next[run[-1]]))
+            runs.append(run)
+        return runs
+
+
+def _count(tokenizer: Tokenizer, text: str) -> int:
+    from raptor_core.tokenizers import count_tokens
+
+    return count_tokens(tokenizer, text)
+
+
+def _cut(tokenizer: Tokenizer, text: str, room: int, *, keep_end: bool) -> str:
+    """The longest start (or end, ``keep_end``) of ``text`` within ``room`` tokens."""
+    if room <= 0:
+        return ""
+    ids = tokenizer.encode(text)
+    piece = tokenizer.decode(ids[-room:] if keep_end else ids[:room]).strip()
+    # Decoding part of a BPE sequence can re-tokenise to more tokens: shrink until it fits.
+    while piece and _count(tokenizer, piece) > room:
+        drop = max(1, len(piece) // 10)
+        piece = (piece[drop:] if keep_end else piece[:-drop]).strip()
+    return piece
+
+
+@dataclass(slots=True)
+class _Passage:
+    leaves: list[int]  # leaf ordinals, document order
+    text: str
+    cost: int
+    cut: str | None = None  # "end": the last leaf cut short; "start": the first one
+    kept: int = 0  # characters of the cut leaf's text that were kept
+
+
+class PassageRetriever(TreeRetriever):
+    """Seeds by similarity, grown into contiguous passages where neighbours are relevant.
+
+    See the module docstring for the algorithm.  Each hit is one passage: a single leaf
+    (``hit.node`` is the tree's node, ``hit.leaves`` is empty) or several consecutive
+    leaves of one document, joined with line breaks (``hit.node`` is a node made for the
+    hit, with id ``"<first>..<last>"``, the joined text, the document's ``doc_id`` and
+    ``metadata``, layer 0 and the covering ``span``; ``hit.leaves`` lists the leaf ids).
+    The last passage may be cut to the tokens left in the budget, as a reader's context
+    window would cut it: its id then ends with ``"[:n]"`` (the first ``n`` characters of
+    its text were kept) or ``"[-n:]"`` (the last ``n``, when the cut leaf precedes the
+    rest of the passage), and ``hit.leaves`` includes the cut leaf.
+
+    ``Hit.score`` is the highest cosine similarity of the passage's leaves to the query,
+    clipped to [0, 1], the same scale as the collapsed strategy's scores; hits come best
+    first.  ``Hit.evidence`` lists every leaf of the passage with its cosine.
+
+    Args:
+        tree: the tree to search (passages are made of its leaves).
+        embedder: embeds the query.
+        k: maximum number of passages.
+        max_tokens: context budget (sum of the passages' tokens).  None: no passages are
+            formed (how far one may grow is relative to the budget), and the ``k``
+            strongest leaves are returned one per hit.
+        window: at most this many leaves added on each side of a seed.
+        rank_factor: a neighbour is added when it is among the ``rank_factor * K`` best
+            leaves by cosine or by BM25, ``K`` being the number of leaves the budget holds
+            (``max_tokens`` over the mean leaf length).
+        lexical: use BM25 (built from the leaf texts) as evidence for growing passages.
+        min_score: leaves whose cosine similarity is below this never seed a passage.
+        budget_tokenizer: counts the tokens of joined and cut passages; None: the tokenizer
+            the tree was built with, when its params name a raptor_core tokenizer.  Without one,
+            passages are whole leaves, never cut, and each join counts as one token.
+
+    Examples:
+        >>> from raptor_core.testing import FakeEmbedder, tiny_tree
+        >>> tree = tiny_tree()
+        >>> retriever = PassageRetriever(tree, FakeEmbedder(dim=tree.dim), max_tokens=30)
+        >>> hit = retriever.retrieve("cats purr")[0]
+        >>> hit.id, hit.leaves
+        ('L0.0..L0.1', ('L0.0', 'L0.1'))
+    """
+
+    source = "passage"
+
+    def __init__(
+        self,
+        tree: Tree | NodeStore,
+        embedder: Embedder,
+        *,
+        k: int = DEFAULT_K,
+        max_tokens: int | None = DEFAULT_MAX_TOKENS,
+        window: int = DEFAULT_WINDOW,
+        rank_factor: float = DEFAULT_RANK_FACTOR,
+        lexical: bool = True,
+        min_score: float | None = None,
+        budget_tokenizer: Tokenizer | None = None,
+        where: Mapping[str, Any] | None = None,
+        native_filter: Any = None,
+    ) -> None:
+        super().__init__(
+            tree, embedder, k=k, max_tokens=max_tokens, where=where, native_filter=native_filter
+        )
+        self.window = window
+        self.rank_factor = rank_factor
+        self.lexical = lexical
+        self.min_score = min_score
+        self.budget_tokenizer = budget_tokenizer
+
+    def _validate(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
+            msg = f"window must be a non-negative integer, got {self.window!r}"
+            raise InvalidParameterError(msg)
+        factor = self.rank_factor
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, int | float)
+            or not math.isfinite(factor)
+            or factor < 0
+        ):
+            msg = f"rank_factor must be a non-negative number, got {factor!r}"
+            raise InvalidParameterError(msg)
+        if not isinstance(self.lexical, bool):
+            msg = f"lexical must be True or False, got {self.lexical!r}"
+            raise InvalidParameterError(msg)
+        check_similarity("min_score", self.min_score)
+
+    def _retrieve(
+        self, query: str, vector: NDArray[np.float32], *, k: int, max_tokens: int | None
+    ) -> list[Hit]:
+        leaves = _leaves(self.store)
+        n = len(leaves.nodes)
+        if n == 0:
+            return []
+        tokens = leaves.tokens  # (n_leaves,)
+        if max_tokens is None:
+            # How far a passage may grow is relative to the budget; without one, there is
+            # nothing to trade context against, so the k strongest leaves come back alone.
+            order = _LeafOrder(prev=np.full(n, -1, np.intp), next=np.full(n, -1, np.intp))
+            fits = float(k)
+        else:
+            order = leaves.order
+            fits = max_tokens / max(1.0, float(tokens.mean()))
+        # K, the leaves the budget holds: the neighbour threshold is a multiple of it, so it
+        # loosens with the budget instead of being a fixed similarity.
+        depth = math.ceil(float(self.rank_factor) * max(1.0, fits))
+        lexical = leaves.bm25.scores(query) if self.lexical else None  # (n_leaves,)
+        tokenizer = self.budget_tokenizer
+        if tokenizer is None:
+            tokenizer = tree_tokenizer(self.tree)
+        # The store is asked for the best ``m`` leaves only; seeds are taken while they are
+        # provably in the order a ranking of every leaf would give, and ``m`` grows when the
+        # budget is not full by then (so any store gives the in-memory answer).
+        m = max(depth, 2 * math.ceil(fits), 16)
+        while True:
+            ranked = self._rank(leaves, vector, lexical, depth, min(m, n))
+            selection = _Selection(tokens, order, max_tokens, k, allow_cut=tokenizer is not None)
+            complete = self._select(selection, ranked, order)
+            if complete or ranked.everything:
+                break
+            m *= 4
+        passages = self._passages(selection, ranked.position, leaves.nodes, tokenizer, max_tokens)
+        return [self._hit(p, ranked.cosine, leaves.nodes, depth) for p in passages]
+
+    def _rank(
+        self,
+        leaves: _Leaves,
+        vector: NDArray[np.float32],
+        lexical: NDArray[np.float32] | None,
+        depth: int,
+        m: int,
+    ) -> _Ranking:
+        """Seed candidates among the ``m`` best leaves by cosine and the best by BM25."""
+        n = len(leaves.nodes)
+        store = self.store
+        cosine = np.full(n, np.nan, dtype=np.float32)  # (n_leaves,): NaN = not fetched
+        where = self.node_filter(layers=frozenset({0}))
+        dense = store.search(vector, m, where=where)
+        for match in dense:
+            at = leaves.ordinal.get(match.node.id)
+            if at is not None:
+                cosine[at] = match.score
+        everything = len(dense) < m or m >= n  # every leaf that passes the filters is known
+        # The cosine the next, unfetched leaf can have at most.
+        dense_floor = -np.inf if everything or not dense else dense[-1].score
+        dense_order = [leaves.ordinal[x.node.id] for x in dense if x.node.id in leaves.ordinal]
+        relevant = np.zeros(n, dtype=bool)
+        relevant[dense_order[:depth]] = True
+        lexical_floor = 0.0
+        if lexical is not None:
+            lexical_order, lexical_floor = self._lexical_candidates(
+                leaves, vector, lexical, cosine, depth, everything
+            )
+            relevant[lexical_order] = True
+        known = ~np.isnan(cosine)
+        # Every fetched leaf passes the filters: its BM25 counts towards its strength.
+        lexical_scores = np.where(known, lexical, 0.0) if lexical is not None else None
+        cos = np.where(known, cosine, 0.0).astype(np.float32)
+        best_cos = max(0.0, float(np.nanmax(cosine))) if known.any() else 0.0
+        best_lex = float(lexical_scores.max()) if lexical_scores is not None else 0.0
+        strength = seed_strength(cos, lexical_scores)
+        # No leaf left out can be stronger than this (its cosine and BM25 are bounded).
+        bound = 0.0
+        if not everything:
+            bound = max(
+                max(0.0, float(dense_floor)) / best_cos if best_cos > 0 else 0.0,
+                lexical_floor / best_lex if best_lex > 0 else 0.0,
+            )
+        candidates = np.flatnonzero(known)
+        dense_rank = np.where(known, cosine, -np.inf)
+        seeds = candidates[np.lexsort((candidates, -dense_rank[candidates], -strength[candidates]))]
+        position = np.full(n, n, dtype=np.intp)
+        position[seeds] = np.arange(seeds.shape[0])
+        return _Ranking(
+            cosine=cosine,
+            relevant=relevant & known,
+            strength=strength,
+            seeds=seeds,
+            position=position,
+            bound=bound,
+            everything=everything,
+        )
+
+    def _lexical_candidates(
+        self,
+        leaves: _Leaves,
+        vector: NDArray[np.float32],
+        lexical: NDArray[np.float32],
+        cosine: NDArray[np.float32],
+        depth: int,
+        everything: bool,
+    ) -> tuple[NDArray[np.intp], float]:
+        """The ``depth`` best leaves by BM25 that pass the filters, and the next BM25 score.
+
+        Their cosines are fetched from the store (one search restricted to their ids), which
+        also tells which of them pass the user's filters.  Returns the ordinals, best first,
+        and an upper bound on the BM25 score of any leaf left out.
+        """
+        ranked = top_rows(lexical, lexical.shape[0])
+        ranked = ranked[lexical[ranked] > 0]
+        chosen: list[int] = []
+        offset = 0
+        while len(chosen) < depth and offset < ranked.shape[0]:
+            batch = ranked[offset : offset + 2 * (depth - len(chosen))]
+            offset += batch.shape[0]
+            unknown = [int(i) for i in batch if np.isnan(cosine[i])]
+            if unknown and not everything:
+                ids = frozenset(leaves.nodes[i].id for i in unknown)
+                where = self.node_filter(layers=frozenset({0}), ids=ids)
+                for match in self.store.search(vector, len(ids), where=where):
+                    at = leaves.ordinal.get(match.node.id)
+                    if at is not None:
+                        cosine[at] = match.score
+            # Fetched (or known to pass when every passing leaf is known): a candidate.
+            chosen.extend(int(i) for i in batch if not np.isnan(cosine[i]))
+        # Leaves past ``offset`` were not looked at: none scores above the next one.
+        floor = float(lexical[ranked[offset]]) if offset < ranked.shape[0] else 0.0
+        return np.asarray(chosen[:depth], dtype=np.intp), floor
+
+    def _select(self, selection: _Selection, ranked: _Ranking, order: _LeafOrder) -> bool:
+        """Grow seeds into the selection; False when a seed's place in the order is unsure."""
+        for seed in ranked.seeds.tolist():
+            if selection.done:
+                return True
+            if not ranked.everything and ranked.strength[seed] <= ranked.bound:
+                return False  # a leaf that was not fetched could come first: fetch more
+            if selection.taken[seed]:
+                continue
+            if self.min_score is not None and ranked.cosine[seed] < self.min_score:
+                continue
+            selection.add(self._grow(seed, order, ranked.relevant, selection.taken))
+        return selection.done or ranked.everything
+
+    def _grow(
+        self, seed: int, order: _LeafOrder, relevant: NDArray[np.bool_], taken: NDArray[np.bool_]
+    ) -> list[int]:
+        """The seed, then its relevant neighbours outwards, nearest first, alternating sides."""
+        group = [seed]
+        ends = [seed, seed]
+        open_sides = [True, True]
+        for _ in range(int(self.window)):
+            for side, step in enumerate((order.prev, order.next)):
+                if not open_sides[side]:
+                    continue
+                at = int(step[ends[side]])
+                if at < 0 or taken[at] or not relevant[at]:
+                    open_sides[side] = False  # passages stay contiguous: stop at a gap
+                    continue
+                group.append(at)
+                ends[side] = at
+        return group
+
+    def _passages(
+        self,
+        selection: _Selection,
+        position: NDArray[np.intp],
+        nodes: list[Node],
+        tokenizer: Tokenizer | None,
+        max_tokens: int | None,
+    ) -> list[_Passage]:
+        """The selected runs as passages, best first, plus the cut leaf when it helps."""
+        passages = []
+        for run in selection.runs():
+            text = SEPARATOR.join(nodes[leaf].text for leaf in run)
+            if len(run) == 1:
+                cost = nodes[run[0]].token_count
+            elif tokenizer is not None:
+                cost = _count(tokenizer, text)
+            else:
+                cost = sum(nodes[leaf].token_count for leaf in run) + len(run) - 1
+            passages.append(_Passage(run, text, cost))
+        # A passage ranks where its strongest seed ranks.
+        passages.sort(key=lambda p: int(position[p.leaves].min()))
+        if max_tokens is not None:
+            # Exact counts of joined texts can exceed the bounds only through BPE oddities;
+            # if they ever do, drop passages from the end rather than overflow.
+            while passages and sum(p.cost for p in passages) > max_tokens:
+                passages.pop()
+        leaf = selection.cut
+        if leaf is None or tokenizer is None or max_tokens is None:
+            return passages
+        room = max_tokens - sum(p.cost for p in passages)
+        text = nodes[leaf].text
+        order = selection.order
+        for p in passages:
+            at_end = bool(order.next[p.leaves[-1]] == leaf)
+            if not at_end and order.prev[p.leaves[0]] != leaf:
+                continue
+            # Next to a passage the cut leaf extends it (its start when it precedes it):
+            # the passage is re-counted whole, separator included.
+            piece = _cut(tokenizer, text, room - 1, keep_end=not at_end)
+            while piece:
+                joined = SEPARATOR.join([p.text, piece] if at_end else [piece, p.text])
+                cost = _count(tokenizer, joined)
+                if cost <= p.cost + room:
+                    p.leaves = [*p.leaves, leaf] if at_end else [leaf, *p.leaves]
+                    p.text, p.cost, p.kept = joined, cost, len(piece)
+                    p.cut = "end" if at_end else "start"
+                    break
+                piece = _cut(tokenizer, piece, _count(tokenizer, piece) - 1, keep_end=not at_end)
+            return passages
+        piece = _cut(tokenizer, text, room, keep_end=False)
+        if piece:
+            passages.append(_Passage([leaf], piece, _count(tokenizer, piece), "end", len(piece)))
+        return passages
+
+    def _hit(
+        self, passage: _Passage, cosine: NDArray[np.float32], nodes: list[Node], depth: int
+    ) -> Hit:
+        run = passage.leaves
+        leaves = [nodes[leaf] for leaf in run]
+        best = max(run, key=lambda leaf: (float(cosine[leaf]), -leaf))
+        evidence = tuple(
+            (node.id, float(cosine[leaf])) for node, leaf in zip(leaves, run, strict=True)
+        )
+        reason = f"seed {nodes[best].id} (cosine {float(cosine[best]):.3f})"
+        grown = len(run) - 1
+        if grown:
+            signals = "similarity or BM25" if self.lexical else "similarity"
+            reason += f", {grown} adjacent leaf{'' if grown == 1 else 's'} among the top {depth} by {signals}"
+        if passage.cut is not None:
+            reason += "; cut to the tokens left in the budget"
+        score = similarity_score(float(cosine[best]))
+        if len(run) == 1 and passage.cut is None:
+            return Hit(
+                node=leaves[0],
+                score=score,
+                source=self.source,
+                path=(leaves[0].id,),
+                reason=reason,
+                evidence=evidence,
+            )
+        # A cut leaf keeps a prefix ("end") or a suffix ("start") of its text, which is the
+        # document text of its span: name and place the passage accordingly.
+        ids = [node.id for node in leaves]
+        first, last = leaves[0], leaves[-1]
+        start = first.span[0] if first.span is not None else None
+        end = last.span[1] if last.span is not None else None
+        if passage.cut == "end":
+            ids[-1] += f"[:{passage.kept}]"
+            end = None if last.span is None else last.span[0] + passage.kept
+        elif passage.cut == "start":
+            ids[0] += f"[-{passage.kept}:]"
+            start = None if first.span is None else first.span[1] - passage.kept
+        node_id = ids[0] if len(ids) == 1 else f"{ids[0]}..{ids[-1]}"
+        node = Node(
+            id=node_id,
+            text=passage.text,
+            layer=0,
+            token_count=passage.cost,
+            doc_id=first.doc_id,
+            span=None if start is None or end is None else (start, end),
+            doc_ids=first.doc_ids,
+            metadata=first.metadata,
+        )
+        return Hit(
+            node=node,
+            score=score,
+            source=self.source,
+            path=(node_id,),
+            reason=reason,
+            evidence=evidence,
+            leaves=tuple(node.id for node in leaves),
+        )

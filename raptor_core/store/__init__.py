@@ -1,0 +1,21 @@
+"""Where a tree's nodes live: the ``NodeStore`` seam and the stores that ship with the core.
+
+Every retrieval strategy reads nodes through a store, so the same strategy runs on the
+in-memory arrays of a :class:`~raptor_core.tree.Tree`, on the plain-file directory format,
+or (through the adapters) on a user's own vector database.
+"""
+
+from __future__ import annotations
+
+from raptor_core.store.filters import check_where, compile_where
+from raptor_core.store.memory import InMemoryNodeStore
+from raptor_core.types import Match, NodeFilter, NodeStore
+
+__all__ = [
+    "InMemoryNodeStore",
+    "Match",
+    "NodeFilter",
+    "NodeStore",
+    "check_where",
+    "compile_where",
+]

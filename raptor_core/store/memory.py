@@ -1,0 +1,422 @@
+"""The in-memory :class:`~raptor_core.types.NodeStore`: nodes in a list, vectors in one matrix.
+
+Search is exact: one matrix-vector product over the rows that may match, then a partial
+sort.  Filters become boolean row masks; the masks of layer sets and metadata filters are
+cached until the store changes, so a repeated query pays only the product.  A
+:class:`~raptor_core.tree.Tree` is wrapped without copying its (possibly memory-mapped)
+embedding matrix; the first ``add`` after that copies it once.
+
+Deleting a node leaves a tombstone row (masked out of every search) until more than a
+quarter of the rows are dead; then the rows are compacted.  Insertion order is kept, so
+iteration and tie-breaking are deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from raptor_core.exceptions import InvalidInputError, InvalidParameterError
+from raptor_core.store.filters import canonical, compile_where
+from raptor_core.tree import Node, Tree, is_carried
+from raptor_core.types import Match, NodeFilter, VectorIndex
+
+__all__ = ["InMemoryNodeStore"]
+
+# Rows scored one by one instead of through the whole matrix when a filter names fewer than
+# this share of them: gathering a few rows is cheaper than multiplying all of them.
+_GATHER_SHARE = 0.25
+
+
+class InMemoryNodeStore:
+    """A :class:`~raptor_core.types.NodeStore` held in this process.
+
+    Args:
+        index: an optional :class:`~raptor_core.types.VectorIndex` (for example
+            :class:`~raptor_core.backends.faiss_index.FaissIndex`) to run searches through;
+            None: an exact numpy product, which is as fast as FAISS's exact index for one
+            query at a time up to a few hundred thousand nodes.
+
+    Examples:
+        >>> from raptor_core.testing import FakeEmbedder, tiny_tree
+        >>> tree = tiny_tree()
+        >>> store = InMemoryNodeStore.from_tree(tree)
+        >>> q = FakeEmbedder(dim=tree.dim).embed_query("cats")
+        >>> [m.node.layer for m in store.search(q, 2, where=NodeFilter(layers=frozenset({0})))]
+        [0, 0]
+    """
+
+    def __init__(self, *, index: VectorIndex | None = None) -> None:
+        self.index = index
+        #: How the stored tree was built (``Tree.params``, descriptions only), when known.
+        self.params: Mapping[str, Any] = {}
+        self._nodes: list[Node | None] = []
+        self._row: dict[str, int] = {}
+        self._blocks: list[NDArray[np.float32]] = []
+        self._matrix: NDArray[np.float32] | None = None
+        self._layer = np.zeros(0, dtype=np.int32)
+        self._tokens = np.zeros(0, dtype=np.int64)
+        self._carried = np.zeros(0, dtype=np.bool_)
+        self._alive = np.zeros(0, dtype=np.bool_)
+        self._dead = 0
+        self._masks: dict[Any, NDArray[np.bool_]] = {}
+        self._id_sets: dict[Any, frozenset[str]] = {}
+
+    @classmethod
+    def from_tree(cls, tree: Tree, *, index: VectorIndex | None = None) -> InMemoryNodeStore:
+        """A store over every node of ``tree``; the embedding matrix is shared, not copied.
+
+        Args:
+            tree: the tree.
+            index: a vector index to search through: empty (the tree's vectors are added to
+                it) or already holding the tree's nodes, or some of them, by id
+                (``FaissIndex.from_tree(tree, layers=[0])``); nodes it does not hold are never
+                found, and an id it returns that the tree does not hold is an error.
+        """
+        store = cls()
+        store.params = dict(tree.params)
+        if len(tree):
+            store._append(list(tree.nodes), tree.embeddings, check=False)
+        if index is not None:
+            size = getattr(index, "__len__", None)
+            if len(tree) and callable(size) and size() == 0:
+                index.add([n.id for n in tree.nodes], tree.embeddings)
+            store.index = index
+        return store
+
+    def __repr__(self) -> str:
+        return f"InMemoryNodeStore(nodes={len(self)}, dim={self.dim})"
+
+    # -- shape ---------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._row)
+
+    def __iter__(self) -> Iterator[Node]:
+        return (node for node in self._nodes if node is not None)
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._row
+
+    @property
+    def dim(self) -> int | None:
+        """Vector dimension (None while empty)."""
+        if self._matrix is not None:
+            return int(self._matrix.shape[1])
+        return int(self._blocks[0].shape[1]) if self._blocks else None
+
+    @property
+    def top_layer(self) -> int:
+        """The highest layer stored (-1 while empty)."""
+        alive = self._layer[self._alive]
+        return int(alive.max()) if alive.size else -1
+
+    # -- writes --------------------------------------------------------------------------------
+    def add(self, nodes: Sequence[Node], vectors: NDArray[np.float32]) -> None:
+        """Insert ``nodes`` with their vectors; an id already stored is replaced (upsert).
+
+        Raises:
+            InvalidInputError: one vector per node is needed, of the store's dimension,
+                finite and non-zero; ids must be unique within one call.
+        """
+        nodes = list(nodes)
+        ids = [n.id for n in nodes]
+        if len(set(ids)) != len(ids):
+            msg = "add() got the same node id twice in one call"
+            raise InvalidInputError(msg)
+        replaced = [i for i in ids if i in self._row]
+        if replaced:
+            self.delete(replaced)
+        self._append(nodes, vectors, check=True)
+
+    def _append(self, nodes: list[Node], vectors: object, *, check: bool) -> None:
+        arr = np.asarray(vectors, dtype=np.float32)
+        if check:
+            arr = _unit_rows(arr, len(nodes), self.dim)
+        if not nodes:
+            return
+        start = len(self._nodes)
+        self._nodes.extend(nodes)
+        for offset, node in enumerate(nodes):
+            self._row[node.id] = start + offset
+        self._blocks.append(arr)
+        self._matrix = None
+        self._layer = np.concatenate(
+            [self._layer, np.fromiter((n.layer for n in nodes), np.int32, len(nodes))]
+        )
+        self._tokens = np.concatenate(
+            [self._tokens, np.fromiter((n.token_count for n in nodes), np.int64, len(nodes))]
+        )
+        self._carried = np.concatenate(
+            [self._carried, np.fromiter((is_carried(n) for n in nodes), np.bool_, len(nodes))]
+        )
+        self._alive = np.concatenate([self._alive, np.ones(len(nodes), dtype=np.bool_)])
+        if self.index is not None:
+            self.index.add([n.id for n in nodes], arr)
+        self._changed()
+
+    def delete(self, ids: Sequence[str]) -> None:
+        """Remove the nodes with these ids; unknown ids are ignored."""
+        rows = [self._row.pop(i) for i in ids if i in self._row]
+        if not rows:
+            return
+        for row in rows:
+            self._nodes[row] = None
+        self._alive[rows] = False
+        self._dead += len(rows)
+        if self.index is not None:
+            # VectorIndex has no delete: rebuild it from the live rows.
+            self.index = type(self.index)()
+            live = np.flatnonzero(self._alive)
+            if live.size:
+                self.index.add([self._nodes[r].id for r in live], self._full()[live])  # type: ignore[union-attr]
+        if self._dead * 4 > len(self._nodes):
+            self._compact()
+        self._changed()
+
+    def _compact(self) -> None:
+        live = np.flatnonzero(self._alive)
+        matrix = self._full()[live]
+        nodes = [self._nodes[int(r)] for r in live]
+        self._nodes = list(nodes)
+        self._row = {n.id: i for i, n in enumerate(nodes) if n is not None}
+        self._blocks, self._matrix = [matrix], matrix
+        self._layer, self._tokens = self._layer[live], self._tokens[live]
+        self._carried = self._carried[live]
+        self._alive = np.ones(live.size, dtype=np.bool_)
+        self._dead = 0
+
+    def _changed(self) -> None:
+        self._masks.clear()
+        self._id_sets.clear()
+
+    # -- reads ---------------------------------------------------------------------------------
+    def _full(self) -> NDArray[np.float32]:
+        if self._matrix is None:
+            if not self._blocks:
+                return np.zeros((0, 0), dtype=np.float32)
+            self._matrix = (
+                self._blocks[0] if len(self._blocks) == 1 else np.concatenate(self._blocks)
+            )
+            self._blocks = [self._matrix]
+        return self._matrix
+
+    def _node_at(self, row: int) -> Node:
+        node = self._nodes[row]
+        assert node is not None, "rows of live nodes only"
+        return node
+
+    def get(self, ids: Sequence[str]) -> list[Node]:
+        """The stored nodes with these ids, in the order asked; unknown ids are left out."""
+        out = []
+        for node_id in ids:
+            row = self._row.get(node_id)
+            if row is not None:
+                out.append(self._node_at(row))
+        return out
+
+    def vectors(self, ids: Sequence[str]) -> NDArray[np.float32]:
+        """The ``(len(ids), d)`` unit vectors of these ids.
+
+        Raises:
+            KeyError: an id is not stored.
+        """
+        rows = np.fromiter((self._row[i] for i in ids), dtype=np.intp, count=len(ids))
+        return np.asarray(self._full()[rows], dtype=np.float32)
+
+    def to_tree(
+        self,
+        *,
+        params: Mapping[str, Any] | None = None,
+        build_info: Mapping[str, Any] | None = None,
+    ) -> Tree:
+        """The stored nodes as an immutable :class:`Tree`, layer by layer, insertion order within.
+
+        Raises:
+            TreeFormatError: the stored nodes do not form a tree (a child is missing, ...).
+        """
+        live = np.flatnonzero(self._alive)
+        order = live[np.argsort(self._layer[live], kind="stable")]
+        nodes = tuple(self._node_at(int(r)) for r in order)
+        matrix = self._full()
+        emb = matrix[order] if order.size else np.zeros((0, self.dim or 0), dtype=np.float32)
+        return Tree(
+            nodes=nodes,
+            embeddings=emb,
+            params=self.params if params is None else params,
+            build_info=build_info or {},
+        )
+
+    # -- search --------------------------------------------------------------------------------
+    def search(
+        self, vector: NDArray[np.float32], k: int, *, where: NodeFilter | None = None
+    ) -> list[Match]:
+        """The ``k`` stored nodes most similar to ``vector`` that pass ``where``, best first.
+
+        Ties are broken by insertion order.  ``where.native`` may be a callable
+        ``(Node) -> bool``.
+
+        Raises:
+            InvalidParameterError: ``k`` is not a positive integer, ``where`` is malformed.
+            InvalidInputError: the vector's dimension is not the store's.
+        """
+        from raptor_core.retrieval.base import top_rows
+
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+            msg = f"k must be a positive integer, got {k!r}"
+            raise InvalidParameterError(msg)
+        if not self._row:
+            return []
+        q = np.asarray(vector, dtype=np.float32).reshape(-1)
+        if q.shape[0] != self.dim:
+            msg = f"query vector has dimension {q.shape[0]} but the store holds {self.dim}"
+            raise InvalidInputError(msg)
+        where = where if where is not None else NodeFilter()
+        rows = self._candidate_rows(where)
+        if rows is not None and rows.size == 0:
+            return []
+        if self.index is not None:
+            return self._search_index(q, int(k), where, rows)
+        matrix = self._full()
+        if rows is None:
+            scores = matrix @ q
+        elif rows.size < _GATHER_SHARE * matrix.shape[0]:
+            scores = matrix[rows] @ q
+        else:
+            scores = (matrix @ q)[rows]
+        best = top_rows(scores, min(int(k), scores.shape[0]))
+        positions = best if rows is None else rows[best]
+        return [
+            Match(self._nodes[int(r)], float(s))  # type: ignore[arg-type]
+            for r, s in zip(positions, scores[best], strict=True)
+        ]
+
+    def _search_index(
+        self, q: NDArray[np.float32], k: int, where: NodeFilter, rows: NDArray[np.intp] | None
+    ) -> list[Match]:
+        assert self.index is not None
+        restrict = None
+        if rows is not None:
+            # Only mask-only filters are cached: ids and parents change from query to query.
+            key = _filter_key(where) if where.ids is None and where.parents is None else None
+            restrict = self._id_sets.get(key) if key is not None else None
+            if restrict is None:
+                restrict = frozenset(self._nodes[int(r)].id for r in rows)  # type: ignore[union-attr]
+                if key is not None:
+                    self._id_sets[key] = restrict
+        pairs = self.index.search(q, k, restrict_to=restrict)
+        expected = min(k, len(self._row) if rows is None else int(rows.size))
+        if rows is not None and len(pairs) < expected:
+            msg = (
+                f"the vector index returned {len(pairs)} of {expected} nodes for a filtered "
+                "search: it must hold the tree's nodes (build it with "
+                "NumpyIndex.from_tree(tree) or FaissIndex.from_tree(tree))"
+            )
+            raise InvalidParameterError(msg)
+        stranger = next((i for i, _ in pairs if i not in self._row), None)
+        if stranger is not None:
+            msg = (
+                f"the vector index returned id {stranger!r}, which is not in the tree: "
+                "build the index from this tree"
+            )
+            raise InvalidParameterError(msg)
+        return [Match(self._nodes[self._row[i]], s) for i, s in pairs]  # type: ignore[arg-type]
+
+    def _candidate_rows(self, where: NodeFilter) -> NDArray[np.intp] | None:
+        """Rows that may match (None: every row), live rows only, sorted."""
+        explicit: NDArray[np.intp] | None = None
+        if where.ids is not None:
+            explicit = _rows(self._row, where.ids)
+        if where.parents is not None:
+            children = {c for p in where.parents if p in self._row for c in self._child_ids(p)}
+            kids = _rows(self._row, children)
+            explicit = kids if explicit is None else np.intersect1d(explicit, kids)
+        mask = self._mask(where)
+        if explicit is not None:
+            return explicit[mask[explicit]] if mask is not None else explicit
+        if mask is None:
+            return None
+        return np.flatnonzero(mask).astype(np.intp)
+
+    def _child_ids(self, parent: str) -> tuple[str, ...]:
+        node = self._nodes[self._row[parent]]
+        return node.children if node is not None else ()
+
+    def _mask(self, where: NodeFilter) -> NDArray[np.bool_] | None:
+        """The boolean row mask of the cacheable parts of ``where`` (None: all rows pass)."""
+        key = _filter_key(where)
+        if key is not None and key in self._masks:
+            return self._masks[key]
+        parts: list[NDArray[np.bool_]] = []
+        if self._dead:
+            parts.append(self._alive)
+        if not where.include_carried and self._carried.any():
+            parts.append(~self._carried)
+        if where.layers is not None:
+            parts.append(np.isin(self._layer, np.fromiter(where.layers, np.int32)))
+        if where.doc_ids is not None:
+            parts.append(self._node_mask(lambda n: n.doc_id in where.doc_ids))
+        if where.where is not None:
+            parts.append(self._node_mask(compile_where(where.where)))
+        if where.native is not None:
+            if not callable(where.native):
+                msg = (
+                    "InMemoryNodeStore takes a callable (Node) -> bool as a native filter; "
+                    f"got {type(where.native).__name__} (use where= for metadata filters)"
+                )
+                raise InvalidParameterError(msg)
+            parts.append(self._node_mask(where.native))
+        mask = None
+        if parts:
+            mask = parts[0].copy() if len(parts) == 1 else np.logical_and.reduce(parts)
+            if mask.all():
+                mask = None
+        if key is not None and mask is not None:
+            mask.flags.writeable = False
+            self._masks[key] = mask
+        return mask
+
+    def _node_mask(self, predicate: Any) -> NDArray[np.bool_]:
+        return np.fromiter(
+            (node is not None and bool(predicate(node)) for node in self._nodes),
+            dtype=np.bool_,
+            count=len(self._nodes),
+        )
+
+
+def _filter_key(where: NodeFilter) -> Any:
+    """A hashable key for the mask of ``where``; None when it cannot be cached (callables)."""
+    if where.native is not None:
+        return None
+    return (
+        where.layers,
+        where.doc_ids,
+        where.include_carried,
+        None if where.where is None else canonical(where.where),
+    )
+
+
+def _rows(index: Mapping[str, int], ids: Any) -> NDArray[np.intp]:
+    found = [index[i] for i in ids if i in index]
+    return np.unique(np.asarray(found, dtype=np.intp))
+
+
+def _unit_rows(arr: NDArray[np.float32], n: int, dim: int | None) -> NDArray[np.float32]:
+    if arr.ndim == 1 and arr.size == 0:
+        arr = arr.reshape(0, dim or 0)
+    if arr.ndim != 2 or arr.shape[0] != n:
+        msg = f"add() needs one vector per node: got {n} nodes, vectors of shape {arr.shape}"
+        raise InvalidInputError(msg)
+    if dim is not None and n and arr.shape[1] != dim:
+        msg = f"vectors have dimension {arr.shape[1]} but the store holds dimension {dim}"
+        raise InvalidInputError(msg)
+    if not np.all(np.isfinite(arr)):
+        msg = "vectors contain NaN or infinite values"
+        raise InvalidInputError(msg)
+    norms = np.linalg.norm(arr.astype(np.float64), axis=1, keepdims=True)
+    if np.any(norms == 0.0):
+        msg = "vectors contain an all-zero row; cosine similarity is undefined for it"
+        raise InvalidInputError(msg)
+    return np.ascontiguousarray(arr / norms, dtype=np.float32)

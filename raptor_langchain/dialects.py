@@ -1,0 +1,625 @@
+"""How :class:`~raptor_langchain.store.LangChainNodeStore` talks to one kind of LangChain ``VectorStore``.
+
+LangChain's ``VectorStore`` API can add texts (embedding them itself), search by vector
+without scores on most stores, and filter in a dialect of each store's own.  A RAPTOR tree
+needs more: write precomputed vectors, read vectors back to score exactly, filter on the
+tree's structure.  A *dialect* is the small piece that does this for one store:
+
+* :class:`InMemoryDialect` for ``langchain_core``'s ``InMemoryVectorStore``: vectors go
+  into its ``store`` dictionary, searches run through its own cosine search, filters are
+  callables ``(Document) -> bool`` (its native filter type).
+* :class:`ChromaDialect` for ``langchain_chroma.Chroma``: reads and writes go through its
+  Chroma collection (``upsert`` with vectors, ``query`` with ``include=["embeddings"]``),
+  filters are Chroma ``where`` dictionaries.  The core's metadata dialect *is* a subset of
+  Chroma's, so a core ``where`` filter is translated and runs inside Chroma.  Lists are
+  stored as JSON strings (see the class for the chromadb bug this avoids).
+* :class:`GenericDialect` for any other store, through the public ``VectorStore`` API
+  only: ``add_texts`` (the store embeds the texts with its own model, which must be the
+  tree's), ``similarity_search_by_vector`` (native filters passed as ``filter=``),
+  ``get_by_ids`` and ``delete``.  Scores are recomputed by embedding the found texts again,
+  structural filters run in Python on an over-fetched result, and the store cannot be
+  listed or counted, so the tree's per-layer sizes live in the manifest record.  Correct,
+  but slower; write a dialect for a store you use at scale (the three here are the model).
+
+A dialect never sees a :class:`~raptor_core.tree.Node`: the store encodes nodes as
+documents, and hands the dialect a :class:`Pushdown` describing what a search may return.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+from langchain_core.documents import Document
+from langchain_core.vectorstores import InMemoryVectorStore, VectorStore
+from numpy.typing import NDArray
+
+from raptor_core.exceptions import InvalidParameterError
+
+__all__ = [
+    "ChromaDialect",
+    "GenericDialect",
+    "InMemoryDialect",
+    "Pushdown",
+    "Row",
+    "StoreDialect",
+    "dialect_for",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One stored document and, when the store returns it, its stored vector."""
+
+    document: Document
+    vector: NDArray[np.float32] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pushdown:
+    """What a search may return, for a dialect to filter on inside its store.
+
+    Attributes:
+        layers: only documents of these layers (``raptor_layer``); None: any layer.
+        doc_ids: only documents whose ``raptor_doc_id`` is one of these.
+        include_carried: also documents with ``raptor_carried`` true.
+        where: the user's filter in the core dialect (:mod:`raptor_core.store.filters`).
+        accepts: the exact test of all of the above on one stored document (decoded by the
+            store); dialects that filter in Python use it as is.
+    """
+
+    layers: frozenset[int] | None
+    doc_ids: frozenset[str] | None
+    include_carried: bool
+    where: Mapping[str, Any] | None
+    accepts: Callable[[Document], bool]
+
+
+@runtime_checkable
+class StoreDialect(Protocol):
+    """The operations :class:`~raptor_langchain.store.LangChainNodeStore` needs from a store.
+
+    Attributes:
+        name: shown in errors and ``repr``.
+        native_lists: the store keeps list-valued metadata (else lists are JSON strings).
+        has_vectors: ``query`` and ``fetch`` return stored vectors (else the store
+            re-embeds the texts to score them).
+        can_count: ``count``, ``max_layer`` and ``scan`` work (else the manifest keeps the
+            per-layer sizes).
+        fetch_filters: ``fetch`` applies a native filter (else a search with a native
+            filter and an id restriction runs as a filtered search, checked in Python).
+
+    Methods:
+        upsert: write documents with their ``(n, d)`` unit vectors; a stored id is replaced.
+        fetch: the stored documents with these ids that pass ``native`` (any order;
+            unknown ids left out).
+        query: the ``m`` stored documents nearest to a unit vector that pass ``native``,
+            nearest first.
+        delete: remove these ids (unknown ids ignored).
+        count: how many documents the store holds (None: it cannot say).
+        scan: every stored document (raise when the store cannot list them).
+        max_layer: the highest ``raptor_layer`` stored (-1: none; None: cannot say).
+        dim: the stored vectors' dimension (None: empty or cannot say).
+        translate: the store's native filter for a :class:`Pushdown` (None: no filter),
+            and whether it is exact (else the store over-fetches and checks in Python).
+        conjoin: the native filter passing what both of two native filters pass.
+    """
+
+    name: str
+    native_lists: bool
+    has_vectors: bool
+    can_count: bool
+    fetch_filters: bool
+
+    def upsert(self, documents: Sequence[Document], vectors: NDArray[np.float32]) -> None:
+        """Write documents with their unit vectors (upsert)."""
+
+    def fetch(self, ids: Sequence[str], *, native: Any, vectors: bool) -> list[Row]:
+        """The stored documents with these ids that pass ``native``."""
+
+    def query(self, vector: NDArray[np.float32], m: int, *, native: Any) -> list[Row]:
+        """The ``m`` documents nearest to ``vector`` that pass ``native``, nearest first."""
+
+    def delete(self, ids: Sequence[str]) -> None:
+        """Remove these ids."""
+
+    def count(self) -> int | None:
+        """How many documents the store holds."""
+
+    def scan(self) -> Iterator[Document]:
+        """Every stored document."""
+
+    def max_layer(self) -> int | None:
+        """The highest ``raptor_layer`` stored."""
+
+    def dim(self) -> int | None:
+        """The stored vectors' dimension."""
+
+    def translate(self, pushdown: Pushdown) -> tuple[Any, bool]:
+        """The native filter for ``pushdown`` and whether it is exact."""
+
+    def conjoin(self, ours: Any, theirs: Any) -> Any:
+        """The native filter passing what both pass."""
+
+
+def _layer_of(document: Document) -> int | None:
+    value = document.metadata.get("raptor_layer") if document.metadata else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        return None
+    return int(value)
+
+
+# -- InMemoryVectorStore -----------------------------------------------------------------------
+class InMemoryDialect:
+    """``langchain_core.vectorstores.InMemoryVectorStore``: exact, in this process.
+
+    Vectors are written into the store's ``store`` dictionary in the shape its own
+    ``add_documents`` writes, so ``dump``/``load`` and its own searches keep working.
+    Native filters are callables ``(Document) -> bool``, the store's own filter type.
+    """
+
+    name = "InMemoryVectorStore"
+    native_lists = True
+    has_vectors = True
+    can_count = True
+    fetch_filters = True
+
+    def __init__(self, vectorstore: InMemoryVectorStore) -> None:
+        self.vectorstore = vectorstore
+
+    def upsert(self, documents: Sequence[Document], vectors: NDArray[np.float32]) -> None:
+        """Write entries as ``InMemoryVectorStore.add_documents`` does, with our vectors."""
+        entries = self.vectorstore.store
+        for doc, vector in zip(documents, vectors, strict=True):
+            entries[str(doc.id)] = {
+                "id": doc.id,
+                "vector": vector.tolist(),
+                "text": doc.page_content,
+                "metadata": doc.metadata,
+            }
+
+    def _row(self, entry: Mapping[str, Any], vectors: bool) -> Row:
+        doc = Document(id=entry["id"], page_content=entry["text"], metadata=entry["metadata"])
+        return Row(doc, np.asarray(entry["vector"], dtype=np.float32) if vectors else None)
+
+    def fetch(self, ids: Sequence[str], *, native: Any, vectors: bool) -> list[Row]:
+        """Entries by id, filtered by the callable ``native``."""
+        entries = self.vectorstore.store
+        rows = [self._row(entries[i], vectors) for i in ids if i in entries]
+        return [r for r in rows if native is None or native(r.document)]
+
+    def query(self, vector: NDArray[np.float32], m: int, *, native: Any) -> list[Row]:
+        """The store's own cosine search; the stored vectors are looked up by id."""
+        found = self.vectorstore.similarity_search_with_score_by_vector(
+            vector.tolist(), k=m, filter=native
+        )
+        entries = self.vectorstore.store
+        return [
+            Row(doc, np.asarray(entries[str(doc.id)]["vector"], dtype=np.float32))
+            for doc, _ in found
+        ]
+
+    def delete(self, ids: Sequence[str]) -> None:
+        """Remove entries (unknown ids are ignored by the store)."""
+        self.vectorstore.delete(list(ids))
+
+    def count(self) -> int:
+        """Entries in the store."""
+        return len(self.vectorstore.store)
+
+    def scan(self) -> Iterator[Document]:
+        """Every entry, in insertion order."""
+        for entry in list(self.vectorstore.store.values()):
+            yield Document(id=entry["id"], page_content=entry["text"], metadata=entry["metadata"])
+
+    def max_layer(self) -> int:
+        """The highest layer among the entries (-1: none)."""
+        layers = (_layer_of(doc) for doc in self.scan())
+        return max((x for x in layers if x is not None), default=-1)
+
+    def dim(self) -> int | None:
+        """The length of a stored vector."""
+        for entry in self.vectorstore.store.values():
+            return len(entry["vector"])
+        return None
+
+    def translate(self, pushdown: Pushdown) -> tuple[Any, bool]:
+        """The exact test, as the store's callable filter."""
+        return pushdown.accepts, True
+
+    def conjoin(self, ours: Any, theirs: Any) -> Any:
+        """Both callables must accept."""
+        if ours is None or theirs is None:
+            return theirs if ours is None else ours
+        if not callable(theirs):
+            msg = (
+                "an InMemoryVectorStore filter is a callable (Document) -> bool; "
+                f"got {type(theirs).__name__} (use where= for a metadata filter dict)"
+            )
+            raise InvalidParameterError(msg)
+
+        def both(doc: Document) -> bool:
+            return bool(ours(doc)) and bool(theirs(doc))
+
+        return both
+
+
+# -- Chroma ------------------------------------------------------------------------------------
+_CHROMA_INCLUDE = ["documents", "metadatas"]
+
+
+class ChromaDialect:
+    """``langchain_chroma.Chroma``, embedded or client/server, through its collection.
+
+    Vectors are written with ``collection.upsert`` and read back with ``include=
+    ["embeddings"]``, so scores are exact cosines whatever the collection's distance
+    (``cosine``, ``l2`` and ``ip`` rank unit vectors alike).  Chroma searches with HNSW,
+    an approximate index: with its default ``ef_search`` of 100 a result is exact for
+    collections of a few thousand nodes; raise ``ef_search`` in the collection's
+    configuration for larger trees that must rank exactly.  Native filters are Chroma
+    ``where`` dictionaries; the core's metadata filters are translated to them (all but
+    string ordering and ``None`` values, which are checked in Python instead).
+    """
+
+    name = "Chroma"
+    # chromadb 1.5 returns the list-valued metadata of a deleted collection's records on the
+    # records of a collection created after it (its internal ids are reused): every list
+    # is written as a JSON string instead, and every key the store reads is always written.
+    native_lists = False
+    has_vectors = True
+    can_count = True
+    fetch_filters = True
+
+    def __init__(self, vectorstore: VectorStore, *, batch_size: int | None = None) -> None:
+        self.vectorstore = vectorstore
+        self.batch_size = batch_size
+
+    @property
+    def collection(self) -> Any:
+        """The ``chromadb`` collection behind the LangChain store."""
+        return self.vectorstore._collection  # type: ignore[attr-defined]
+
+    def _batch(self) -> int:
+        if self.batch_size is not None:
+            return int(self.batch_size)
+        client = getattr(self.vectorstore, "_client", None)
+        try:
+            limit = int(client.get_max_batch_size())  # type: ignore[union-attr]
+        except Exception:  # an older client or a stand-in: any safe size will do
+            limit = 1000
+        return max(1, min(limit, 1000))
+
+    def upsert(self, documents: Sequence[Document], vectors: NDArray[np.float32]) -> None:
+        """``collection.upsert`` in batches the server accepts, replacing stored metadata.
+
+        Chroma's upsert *merges* new metadata into a stored record, so a key the new
+        document lacks would survive (a node that lost its ``raptor_doc_id``); such keys
+        are read first and set to None, which removes them.
+        """
+        step = self._batch()
+        for start in range(0, len(documents), step):
+            part = documents[start : start + step]
+            ids = [str(d.id) for d in part]
+            stored = self.collection.get(ids=ids, include=["metadatas"])
+            old_keys = {
+                i: set(meta or {})
+                for i, meta in zip(stored["ids"], stored["metadatas"], strict=True)
+            }
+            metadatas = []
+            for node_id, doc in zip(ids, part, strict=True):
+                meta: dict[str, Any] = dict(doc.metadata)
+                meta.update(dict.fromkeys(old_keys.get(node_id, set()) - meta.keys()))
+                metadatas.append(meta)
+            self.collection.upsert(
+                ids=ids,
+                embeddings=np.asarray(vectors[start : start + step], dtype=np.float32),
+                metadatas=metadatas,
+                documents=[d.page_content for d in part],
+            )
+
+    @staticmethod
+    def _rows(ids: Any, docs: Any, metas: Any, embeddings: Any) -> list[Row]:
+        rows = []
+        for i, node_id in enumerate(ids):
+            vector = None if embeddings is None else np.asarray(embeddings[i], dtype=np.float32)
+            doc = Document(id=node_id, page_content=docs[i] or "", metadata=metas[i] or {})
+            rows.append(Row(doc, vector))
+        return rows
+
+    def fetch(self, ids: Sequence[str], *, native: Any, vectors: bool) -> list[Row]:
+        """``collection.get(ids=..., where=native)``, in batches."""
+        include = [*_CHROMA_INCLUDE, "embeddings"] if vectors else list(_CHROMA_INCLUDE)
+        rows: list[Row] = []
+        step = self._batch()
+        for start in range(0, len(ids), step):
+            got = self.collection.get(
+                ids=list(ids[start : start + step]), where=native, include=include
+            )
+            found = got.get("embeddings") if vectors else None
+            rows += self._rows(got["ids"], got["documents"], got["metadatas"], found)
+        return rows
+
+    def query(self, vector: NDArray[np.float32], m: int, *, native: Any) -> list[Row]:
+        """``collection.query`` with the stored vectors included."""
+        got = self.collection.query(
+            query_embeddings=[np.asarray(vector, dtype=np.float32)],
+            n_results=int(m),
+            where=native,
+            include=[*_CHROMA_INCLUDE, "embeddings"],
+        )
+        return self._rows(
+            got["ids"][0], got["documents"][0], got["metadatas"][0], got["embeddings"][0]
+        )
+
+    def delete(self, ids: Sequence[str]) -> None:
+        """``collection.delete`` (unknown ids are ignored by Chroma)."""
+        step = self._batch()
+        for start in range(0, len(ids), step):
+            self.collection.delete(ids=list(ids[start : start + step]))
+
+    def count(self) -> int:
+        """``collection.count()``."""
+        return int(self.collection.count())
+
+    def scan(self) -> Iterator[Document]:
+        """Every document, a page at a time."""
+        step = self._batch()
+        offset = 0
+        while True:
+            got = self.collection.get(limit=step, offset=offset, include=list(_CHROMA_INCLUDE))
+            for row in self._rows(got["ids"], got["documents"], got["metadatas"], None):
+                yield row.document
+            if len(got["ids"]) < step:
+                return
+            offset += step
+
+    def max_layer(self) -> int:
+        """Probe layers upwards with one-id ``get`` calls (trees have a handful of layers)."""
+        top = -1
+        while self.collection.get(where={"raptor_layer": top + 1}, limit=1, include=[])["ids"]:
+            top += 1
+        return top
+
+    def dim(self) -> int | None:
+        """The length of one stored vector."""
+        got = self.collection.get(
+            where={"raptor_layer": {"$gte": 0}}, limit=1, include=["embeddings"]
+        )
+        embeddings = got.get("embeddings")
+        if embeddings is None or len(embeddings) == 0:
+            return None
+        return len(embeddings[0])
+
+    def translate(self, pushdown: Pushdown) -> tuple[Any, bool]:
+        """A Chroma ``where`` for the pushdown; exact unless part of ``where`` had no twin."""
+        clauses: list[dict[str, Any]] = []
+        if pushdown.layers is not None:
+            clauses.append({"raptor_layer": {"$in": sorted(pushdown.layers)}})
+        if pushdown.doc_ids is not None:
+            clauses.append({"raptor_doc_id": {"$in": sorted(pushdown.doc_ids)}})
+        if not pushdown.include_carried:
+            clauses.append({"raptor_carried": False})
+        exact = True
+        if pushdown.where is not None:
+            translated, exact = chroma_where(pushdown.where)
+            if translated is not None:
+                clauses.append(translated)
+        if not clauses:
+            # Every node has a layer; the manifest and foreign documents have none.
+            clauses.append({"raptor_layer": {"$gte": 0}})
+        return (clauses[0] if len(clauses) == 1 else {"$and": clauses}), exact
+
+    def conjoin(self, ours: Any, theirs: Any) -> Any:
+        """``{"$and": [ours, theirs]}``."""
+        if ours is None or theirs is None:
+            return theirs if ours is None else ours
+        if not isinstance(theirs, Mapping):
+            msg = f"a Chroma filter is a `where` dict, got {type(theirs).__name__}"
+            raise InvalidParameterError(msg)
+        return {"$and": [ours, dict(theirs)]}
+
+
+def _kind(value: object) -> str | None:
+    """The Chroma metadata type of a filter operand (None: not one Chroma compares)."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "str"
+    return None
+
+
+def _chroma_condition(field: str, op: str, value: Any) -> dict[str, Any] | None:
+    """One ``{field: {op: value}}`` Chroma clause, or None when Chroma would differ."""
+    if op in ("$eq", "$ne"):
+        ok = _kind(value) is not None
+    elif op in ("$in", "$nin"):
+        # Chroma wants a non-empty list of one type; None has no twin.
+        kinds = {_kind(v) for v in value}
+        ok = bool(value) and len(kinds) == 1 and None not in kinds
+        value = list(value)
+    else:
+        # Chroma orders numbers only; the core also orders strings.
+        ok = _kind(value) in ("int", "float")
+    return {field: {op: value}} if ok else None
+
+
+def chroma_where(where: Mapping[str, Any]) -> tuple[dict[str, Any] | None, bool]:
+    """Translate a (checked) core filter into a Chroma ``where``.
+
+    Returns:
+        ``(where, exact)``: a Chroma filter passing at least every node the core filter
+        passes (None: no constraint), and whether it passes exactly those.  Parts with no
+        Chroma twin (ordering strings, comparing with None, ``raptor_``-prefixed user keys,
+        which are stored in ``raptor_metadata`` only) are left out, and the caller checks
+        them in Python.
+
+    Examples:
+        >>> chroma_where({"doc_id": "a", "year": {"$gte": 2000}})
+        ({'$and': [{'raptor_doc_id': {'$eq': 'a'}}, {'year': {'$gte': 2000}}]}, True)
+        >>> chroma_where({"title": {"$gt": "M"}})
+        (None, False)
+    """
+    parts: list[dict[str, Any]] = []
+    exact = True
+    for key, condition in where.items():
+        if key in ("$and", "$or"):
+            subs = [chroma_where(sub) for sub in condition]
+            kept = [clause for clause, _ in subs if clause is not None]
+            sub_exact = all(e for _, e in subs)
+            if key == "$and":
+                parts += kept
+                exact = exact and sub_exact
+            elif len(kept) == len(subs):
+                parts.append(kept[0] if len(kept) == 1 else {"$or": kept})
+                exact = exact and sub_exact
+            else:
+                exact = False  # one unconstrained branch: the whole $or passes anything
+            continue
+        if key.startswith("raptor_"):
+            exact = False
+            continue
+        field = "raptor_doc_id" if key == "doc_id" else key
+        ops = condition if isinstance(condition, Mapping) else {"$eq": condition}
+        for op, value in ops.items():
+            clause = _chroma_condition(field, op, value)
+            if clause is None:
+                exact = False
+            else:
+                parts.append(clause)
+    if not parts:
+        return None, exact
+    return (parts[0] if len(parts) == 1 else {"$and": parts}), exact
+
+
+# -- any other store ---------------------------------------------------------------------------
+class GenericDialect:
+    """Any LangChain ``VectorStore``, through its public API only (see the module docstring).
+
+    Needs ``add_texts``, ``similarity_search_by_vector``, ``get_by_ids`` and ``delete``;
+    a store lacking one fails with an error naming it.  Native filters are passed to
+    ``similarity_search_by_vector(..., filter=native)`` in the store's own dialect.
+    """
+
+    native_lists = False
+    has_vectors = False
+    can_count = False
+    fetch_filters = False
+
+    def __init__(self, vectorstore: VectorStore) -> None:
+        self.vectorstore = vectorstore
+        self.name = type(vectorstore).__name__
+
+    def _unsupported(self, method: str, exc: Exception) -> InvalidParameterError:
+        return InvalidParameterError(
+            f"{self.name} does not implement VectorStore.{method}, which a RAPTOR tree in a "
+            f"generic vector store needs ({exc!r}); use a store that does, or write a "
+            "dialect for it (see raptor_langchain.dialects)"
+        )
+
+    def upsert(self, documents: Sequence[Document], vectors: NDArray[np.float32]) -> None:
+        """``delete`` the stored ids, then ``add_texts`` (the store embeds the texts)."""
+        ids = [str(d.id) for d in documents]
+        stored = [row.document.id for row in self.fetch(ids, native=None, vectors=False)]
+        if stored:
+            self.delete([str(i) for i in stored])
+        try:
+            self.vectorstore.add_texts(
+                [d.page_content for d in documents],
+                metadatas=[d.metadata for d in documents],
+                ids=ids,
+            )
+        except NotImplementedError as exc:
+            raise self._unsupported("add_texts", exc) from exc
+
+    def fetch(self, ids: Sequence[str], *, native: Any, vectors: bool) -> list[Row]:
+        """``get_by_ids`` (native filters cannot be applied: the caller searches instead)."""
+        if native is not None:
+            msg = "GenericDialect.fetch cannot apply a native filter"
+            raise InvalidParameterError(msg)
+        try:
+            docs = self.vectorstore.get_by_ids(list(ids))
+        except NotImplementedError as exc:
+            raise self._unsupported("get_by_ids", exc) from exc
+        return [Row(doc) for doc in docs]
+
+    def query(self, vector: NDArray[np.float32], m: int, *, native: Any) -> list[Row]:
+        """``similarity_search_by_vector``; the native filter goes in as ``filter=``."""
+        kwargs = {} if native is None else {"filter": native}
+        try:
+            docs = self.vectorstore.similarity_search_by_vector(vector.tolist(), k=m, **kwargs)
+        except NotImplementedError as exc:
+            raise self._unsupported("similarity_search_by_vector", exc) from exc
+        return [Row(doc) for doc in docs]
+
+    def delete(self, ids: Sequence[str]) -> None:
+        """``delete`` the ids that are stored (some stores raise on unknown ids)."""
+        stored = [str(row.document.id) for row in self.fetch(ids, native=None, vectors=False)]
+        if not stored:
+            return
+        try:
+            self.vectorstore.delete(ids=stored)
+        except NotImplementedError as exc:
+            raise self._unsupported("delete", exc) from exc
+
+    def count(self) -> None:
+        """Unknown: the ``VectorStore`` API cannot count."""
+        return None
+
+    def scan(self) -> Iterator[Document]:
+        """The ``VectorStore`` API cannot list documents."""
+        msg = (
+            f"{self.name} cannot list its documents through the VectorStore API, so this "
+            "operation (iterating the tree, exporting it) needs a store with a dialect "
+            "(InMemoryVectorStore, Chroma) or one you write"
+        )
+        raise InvalidParameterError(msg)
+
+    def max_layer(self) -> None:
+        """Unknown: kept in the manifest instead."""
+        return None
+
+    def dim(self) -> None:
+        """Unknown: kept in the manifest instead."""
+        return None
+
+    def translate(self, pushdown: Pushdown) -> tuple[Any, bool]:
+        """No pushdown: structure is checked in Python."""
+        return None, False
+
+    def conjoin(self, ours: Any, theirs: Any) -> Any:
+        """Only the user's native filter reaches the store."""
+        return theirs
+
+
+def _is_chroma(vectorstore: object) -> bool:
+    # Decided by class, without importing langchain_chroma for users who do not have it.
+    return any(
+        cls.__module__.startswith("langchain_chroma") and cls.__name__ == "Chroma"
+        for cls in type(vectorstore).__mro__
+    )
+
+
+def dialect_for(vectorstore: VectorStore) -> StoreDialect:
+    """The dialect for ``vectorstore``: a specific one when known, else the generic one.
+
+    Raises:
+        InvalidParameterError: ``vectorstore`` is not a LangChain ``VectorStore``.
+    """
+    if not isinstance(vectorstore, VectorStore):
+        msg = f"expected a LangChain VectorStore, got {type(vectorstore).__name__}"
+        raise InvalidParameterError(msg)
+    if isinstance(vectorstore, InMemoryVectorStore):
+        return InMemoryDialect(vectorstore)
+    if _is_chroma(vectorstore):
+        return ChromaDialect(vectorstore)
+    logger.info("no dialect for %s: using the generic VectorStore API", type(vectorstore))
+    return GenericDialect(vectorstore)

@@ -1,0 +1,726 @@
+"""A RAPTOR tree inside a LangChain ``VectorStore``: :class:`LangChainNodeStore`.
+
+Every node of every layer becomes one document of the vector store, so a team that already
+runs its RAG pipeline on Chroma (or any LangChain store) keeps one storage system, and every
+retrieval strategy of :mod:`raptor_core.retrieval` runs on it unchanged.
+
+**Node ⇄ document.**  ``Document.id`` is the node id, ``page_content`` its text, and the
+metadata holds the user's own metadata (scalar values, and lists where the store keeps
+lists) plus ``raptor_``-prefixed structural keys:
+
+=====================  =========================================================================
+``raptor_layer``       0 for a chunk, 1+ for summaries (int)
+``raptor_token_count`` tokens in the text (int)
+``raptor_carried``     whether the node is a carried copy of its only child (bool)
+``raptor_doc_id``      the node's document (absent for summaries over several documents)
+``raptor_span_start``  a chunk's character offsets in its document (absent for summaries)
+``raptor_span_end``
+``raptor_children``    ids of the nodes a summary condenses (a list, or a JSON string where
+                       the store keeps no lists, as in Chroma)
+``raptor_parents``     ids of the summaries that include the node
+``raptor_doc_ids``     the documents the node covers
+``raptor_metadata``    the node's full user metadata as JSON (values a store cannot keep,
+                       such as ``None`` or nested mappings, survive here)
+``raptor_id``          the node id again, for stores that return documents without ids
+=====================  =========================================================================
+
+**Manifest.**  One more document, id ``raptor-manifest``, records what the tree's files
+would: a format name and version, the vector dimension and the tree's ``params`` (how it
+was built: descriptions only; nothing read back is ever instantiated).  It is written after
+the nodes and marked complete, so an interrupted build is refused on reopening.  It has no
+``raptor_layer``, so no search returns it.  Facts that change with every update (node
+count, top layer) are read from the store itself, except for stores that cannot count
+(the generic dialect), where the manifest keeps the per-layer sizes current.
+
+**One tree per store** (per Chroma collection): documents without ``raptor_layer`` are
+never returned, but they count in ``len``.
+
+**Updates** are one ``delete(ids)`` and one ``add`` (an upsert) of the changed nodes; the
+store is never rewritten.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from langchain_core.documents import Document
+from langchain_core.embeddings import Embeddings
+from langchain_core.vectorstores import VectorStore
+from numpy.typing import NDArray
+
+from raptor_core._version import __version__
+from raptor_core.exceptions import (
+    InvalidInputError,
+    InvalidParameterError,
+    TreeFormatError,
+)
+from raptor_core.store.filters import check_where, compile_where
+from raptor_core.tree import Node, Tree, is_carried
+from raptor_core.types import Embedder, Match, NodeFilter
+from raptor_langchain.dialects import Pushdown, Row, StoreDialect, dialect_for
+from raptor_langchain.models import LangChainEmbedder, RaptorEmbeddings
+
+__all__ = [
+    "MANIFEST_ID",
+    "STORE_FORMAT",
+    "LangChainNodeStore",
+    "document_to_node",
+    "node_to_document",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Id of the document that records how the tree in a store was built.
+MANIFEST_ID = "raptor-manifest"
+#: Format name and version written into the manifest.
+STORE_FORMAT = ("raptor-tree-store", 1)
+_PREFIX = "raptor_"
+# Searches whose filter runs partly in Python ask the store for this many extra documents
+# first, and four times more each time too few pass.
+_SLACK = 8
+
+
+# -- node <-> document -------------------------------------------------------------------------
+def _scalar(value: object) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, str | int | bool)
+
+
+def _scalar_list(value: object) -> bool:
+    """A non-empty list of scalars of one type: what list-keeping stores accept."""
+    if not isinstance(value, list | tuple) or not value or not all(_scalar(v) for v in value):
+        return False
+    return len({type(v) for v in value}) == 1
+
+
+def _encode_ids(ids: Sequence[str], native_lists: bool) -> Any:
+    # Always written, even empty: a key the store reads is never left to what the store
+    # may hold from elsewhere (see ChromaDialect).
+    return list(ids) if native_lists else json.dumps(list(ids))
+
+
+def node_to_document(node: Node, *, native_lists: bool = True) -> Document:
+    """The vector-store document of ``node`` (see the module docstring for the keys).
+
+    Args:
+        node: the node.
+        native_lists: the store keeps list-valued metadata (the in-memory store); else id
+            lists are JSON strings and user lists live in ``raptor_metadata`` only.
+
+    Examples:
+        >>> leaf = Node(id="a", text="Bees dance.", layer=0, token_count=3, doc_id="d",
+        ...             span=(0, 11), doc_ids=("d",), metadata={"source": "bees.md"})
+        >>> doc = node_to_document(leaf)
+        >>> doc.id, doc.metadata["source"], doc.metadata["raptor_layer"]
+        ('a', 'bees.md', 0)
+        >>> document_to_node(doc) == leaf
+        True
+    """
+    meta: dict[str, Any] = {}
+    for key, value in node.metadata.items():
+        # raptor_ keys are ours; the user's own keep their values in raptor_metadata.
+        if key.startswith(_PREFIX):
+            continue
+        if _scalar(value) or (native_lists and _scalar_list(value)):
+            meta[key] = list(value) if isinstance(value, list | tuple) else value
+    meta["raptor_id"] = node.id
+    meta["raptor_layer"] = node.layer
+    meta["raptor_token_count"] = node.token_count
+    meta["raptor_carried"] = is_carried(node)
+    if node.doc_id is not None:
+        meta["raptor_doc_id"] = node.doc_id
+    if node.span is not None:
+        meta["raptor_span_start"], meta["raptor_span_end"] = node.span
+    meta["raptor_children"] = _encode_ids(node.children, native_lists)
+    meta["raptor_parents"] = _encode_ids(node.parents, native_lists)
+    meta["raptor_doc_ids"] = _encode_ids(node.doc_ids, native_lists)
+    meta["raptor_metadata"] = json.dumps(dict(node.metadata), sort_keys=True)
+    return Document(id=node.id, page_content=node.text, metadata=meta)
+
+
+def _int(meta: Mapping[str, Any], key: str) -> int:
+    value = meta[key]
+    # Some stores hand numbers back as floats; a non-integral one is damage.
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        msg = f"{key} should be an integer, got {value!r}"
+        raise TypeError(msg)
+    return int(value)
+
+
+def _decode_ids(value: Any, key: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = json.loads(value)
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        msg = f"{key} should be a list of ids, got {value!r}"
+        raise TypeError(msg)
+    return tuple(value)
+
+
+def is_node_document(document: Document) -> bool:
+    """Whether ``document`` encodes a tree node (not the manifest or a foreign document)."""
+    meta = document.metadata
+    return bool(meta) and "raptor_layer" in meta and "raptor_metadata" in meta
+
+
+def document_to_node(document: Document) -> Node:
+    """The node a vector-store document encodes (inverse of :func:`node_to_document`).
+
+    Raises:
+        TreeFormatError: the document is not a node, or its ``raptor_`` keys are damaged.
+    """
+    meta = document.metadata or {}
+    node_id = document.id or meta.get("raptor_id")
+    try:
+        if not is_node_document(document):
+            msg = "it has no raptor_layer/raptor_metadata keys"
+            raise KeyError(msg)
+        metadata = json.loads(meta["raptor_metadata"])
+        if not isinstance(metadata, dict):
+            msg = f"raptor_metadata should hold a JSON object, got {type(metadata).__name__}"
+            raise TypeError(msg)
+        doc_id = meta.get("raptor_doc_id")
+        start, end = meta.get("raptor_span_start"), meta.get("raptor_span_end")
+        return Node(
+            id=str(node_id),
+            text=document.page_content,
+            layer=_int(meta, "raptor_layer"),
+            token_count=_int(meta, "raptor_token_count"),
+            children=_decode_ids(meta.get("raptor_children"), "raptor_children"),
+            doc_id=None if doc_id is None else str(doc_id),
+            span=None
+            if start is None or end is None
+            else (_int(meta, "raptor_span_start"), _int(meta, "raptor_span_end")),
+            doc_ids=_decode_ids(meta.get("raptor_doc_ids"), "raptor_doc_ids"),
+            metadata=metadata,
+            parents=_decode_ids(meta.get("raptor_parents"), "raptor_parents"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        msg = (
+            f"document {node_id!r} in the vector store is not a RAPTOR node ({exc}): "
+            "the store must hold only what RaptorRetriever wrote into it"
+        )
+        raise TreeFormatError(msg) from exc
+
+
+# -- the store ---------------------------------------------------------------------------------
+def _core_embedder(embeddings: Embeddings | Embedder | None) -> Embedder | None:
+    if embeddings is None:
+        return None
+    if isinstance(embeddings, RaptorEmbeddings):
+        return embeddings.embedder
+    if isinstance(embeddings, Embeddings):
+        return LangChainEmbedder(embeddings)
+    return embeddings
+
+
+def _unit(vectors: object, n: int, dim: int | None) -> NDArray[np.float32]:
+    arr = np.asarray(vectors, dtype=np.float32)
+    if arr.size == 0 and n == 0:
+        return np.zeros((0, dim or 0), dtype=np.float32)
+    if arr.ndim != 2 or arr.shape[0] != n:
+        msg = f"add() needs one vector per node: got {n} nodes, vectors of shape {arr.shape}"
+        raise InvalidInputError(msg)
+    if dim is not None and arr.shape[1] != dim:
+        msg = f"vectors have dimension {arr.shape[1]} but the store holds dimension {dim}"
+        raise InvalidInputError(msg)
+    if not np.all(np.isfinite(arr)):
+        msg = "vectors contain NaN or infinite values"
+        raise InvalidInputError(msg)
+    norms = np.linalg.norm(arr.astype(np.float64), axis=1, keepdims=True)
+    if np.any(norms == 0.0):
+        msg = "vectors contain an all-zero row; cosine similarity is undefined for it"
+        raise InvalidInputError(msg)
+    return np.ascontiguousarray(arr / norms, dtype=np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    params: dict[str, Any]
+    dim: int
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class LangChainNodeStore:
+    """A :class:`~raptor_core.types.NodeStore` inside a LangChain ``VectorStore``.
+
+    Every retrieval strategy runs on it unchanged (pass it where a Tree goes), and
+    :class:`~raptor_langchain.RaptorRetriever` uses it for ``from_documents(...,
+    vectorstore=...)`` and ``from_vectorstore``.  Scores are exact cosines: recomputed from
+    the stored vectors, or (generic stores) from the texts embedded again.
+
+    Args:
+        vectorstore: the LangChain store (``InMemoryVectorStore``, ``Chroma``, or any
+            other through the generic dialect).
+        embeddings: the model the tree was built with; needed by stores without a dialect
+            (to score what they return) and for ``vectors()`` there.  Default: the store's
+            own ``embeddings``.
+        dialect: how to talk to the store (default: :func:`~raptor_langchain.dialects.dialect_for`).
+
+    Examples:
+        >>> from langchain_core.vectorstores import InMemoryVectorStore
+        >>> from raptor_core import CollapsedTreeRetriever
+        >>> from raptor_core.testing import FakeEmbedder, tiny_tree
+        >>> from raptor_langchain import RaptorEmbeddings
+        >>> tree, embedder = tiny_tree(), FakeEmbedder(dim=64)
+        >>> store = LangChainNodeStore(InMemoryVectorStore(RaptorEmbeddings(embedder)))
+        >>> store.add_tree(tree)
+        >>> len(store) == len(tree)
+        True
+        >>> hits = CollapsedTreeRetriever(store, embedder, k=2).retrieve("cats purr")
+        >>> len(hits)
+        2
+    """
+
+    def __init__(
+        self,
+        vectorstore: VectorStore,
+        embeddings: Embeddings | Embedder | None = None,
+        *,
+        dialect: StoreDialect | None = None,
+    ) -> None:
+        self.vectorstore = vectorstore
+        self.embeddings = embeddings if embeddings is not None else vectorstore.embeddings
+        self.dialect = dialect if dialect is not None else dialect_for(vectorstore)
+        self._manifest: dict[str, Any] | None = None
+        self._manifest_read = False
+        self._top: int | None = None
+        self._dim: int | None = None
+
+    def __repr__(self) -> str:
+        return f"LangChainNodeStore({type(self.vectorstore).__name__}, dialect={self.dialect.name})"
+
+    # -- manifest --------------------------------------------------------------------------------
+    @property
+    def manifest(self) -> dict[str, Any] | None:
+        """The manifest record (format, dimension, the tree's params), None when absent.
+
+        Raises:
+            TreeFormatError: the manifest is damaged or of a newer format.
+        """
+        if not self._manifest_read:
+            self._manifest = self._read_manifest()
+            self._manifest_read = True
+        return self._manifest
+
+    def _read_manifest(self) -> dict[str, Any] | None:
+        try:
+            rows = self.dialect.fetch([MANIFEST_ID], native=None, vectors=False)
+        except InvalidParameterError:
+            raise
+        if not rows:
+            return None
+        raw = (rows[0].document.metadata or {}).get("raptor_manifest")
+        try:
+            manifest = json.loads(raw) if isinstance(raw, str) else None
+        except ValueError:
+            manifest = None
+        if not isinstance(manifest, dict) or manifest.get("format") != STORE_FORMAT[0]:
+            msg = f"the {MANIFEST_ID!r} document of the vector store is damaged: {raw!r:.120}"
+            raise TreeFormatError(msg)
+        version = manifest.get("format_version")
+        if not isinstance(version, int) or version > STORE_FORMAT[1]:
+            msg = (
+                f"the tree in this vector store has format version {version!r}; this "
+                f"raptor-retriever reads up to {STORE_FORMAT[1]}: upgrade raptor-retriever"
+            )
+            raise TreeFormatError(msg)
+        return manifest
+
+    def _write_manifest(self, manifest: dict[str, Any]) -> None:
+        doc = Document(
+            id=MANIFEST_ID,
+            page_content="RAPTOR tree manifest (raptor-retriever): how the tree was built.",
+            metadata={"raptor_manifest": json.dumps(manifest, sort_keys=True, default=str)},
+        )
+        dim = int(manifest["dim"])
+        # Any unit vector: no search returns the manifest (it has no raptor_layer).
+        anchor = np.zeros((1, dim), dtype=np.float32)
+        anchor[0, 0] = 1.0
+        self.dialect.upsert([doc], anchor)
+        self._manifest, self._manifest_read = manifest, True
+
+    def write_manifest(
+        self, *, params: Mapping[str, Any] | None = None, dim: int | None = None
+    ) -> None:
+        """Record how the tree was built (``Tree.params``) and its vector dimension.
+
+        Raises:
+            InvalidParameterError: the dimension is unknown (nothing stored, none given).
+        """
+        manifest = dict(self.manifest or {})
+        dim = dim if dim is not None else manifest.get("dim") or self.dialect.dim()
+        if not isinstance(dim, int) or dim < 1:
+            msg = "write_manifest needs the vector dimension: store nodes first or pass dim="
+            raise InvalidParameterError(msg)
+        manifest.update(
+            format=STORE_FORMAT[0],
+            format_version=STORE_FORMAT[1],
+            raptor_version=__version__,
+            dim=dim,
+        )
+        if params is not None:
+            manifest["params"] = json.loads(json.dumps(dict(params), default=str))
+        manifest.setdefault("params", {})
+        manifest["complete"] = True
+        if not self.dialect.can_count:
+            manifest.setdefault("layer_sizes", [])
+        self._write_manifest(manifest)
+
+    def shape(self) -> _Shape:
+        """What a load checks a caller's embedder against: the recorded params, dim, size.
+
+        Duck-types the part of a :class:`Tree` that
+        :func:`raptor_core.components.check_embedder` reads.
+        """
+        return _Shape(params=self.params, dim=self.dim or 0, size=len(self))
+
+    @property
+    def complete(self) -> bool:
+        """Whether the store holds a whole tree (its manifest was written after its nodes)."""
+        return bool((self.manifest or {}).get("complete"))
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """How the stored tree was built (``Tree.params`` recorded in the manifest)."""
+        manifest = self.manifest or {}
+        params = manifest.get("params")
+        return dict(params) if isinstance(params, dict) else {}
+
+    def refresh(self) -> None:
+        """Forget cached facts (top layer, dimension, manifest) after writes by others."""
+        self._manifest, self._manifest_read = None, False
+        self._top = None
+        self._dim = None
+
+    # -- shape -----------------------------------------------------------------------------------
+    def _layer_sizes(self) -> list[int]:
+        sizes = (self.manifest or {}).get("layer_sizes")
+        if not isinstance(sizes, list):
+            return []
+        return [int(x) for x in sizes if isinstance(x, int)]
+
+    def __len__(self) -> int:
+        count = self.dialect.count() if self.dialect.can_count else None
+        if count is None:
+            return sum(self._layer_sizes())
+        return max(0, count - (1 if self.manifest is not None else 0))
+
+    def __iter__(self) -> Iterator[Node]:
+        for doc in self.dialect.scan():
+            if is_node_document(doc):
+                yield document_to_node(doc)
+
+    @property
+    def dim(self) -> int | None:
+        """Vector dimension (None while nothing is stored)."""
+        if self._dim is None:
+            recorded = (self.manifest or {}).get("dim")
+            self._dim = recorded if isinstance(recorded, int) else self.dialect.dim()
+        return self._dim
+
+    @property
+    def top_layer(self) -> int:
+        """The highest layer stored (-1 while empty)."""
+        if self._top is None:
+            top = self.dialect.max_layer()
+            if top is None:
+                sizes = self._layer_sizes()
+                top = max((i for i, n in enumerate(sizes) if n > 0), default=-1)
+            self._top = top
+        return self._top
+
+    # -- writes ----------------------------------------------------------------------------------
+    def add(self, nodes: Sequence[Node], vectors: NDArray[np.float32]) -> None:
+        """Upsert ``nodes`` with their vectors, in one batched write.
+
+        Raises:
+            InvalidInputError: one finite, non-zero vector per node is needed, of the
+                store's dimension; ids must be unique within one call.
+        """
+        nodes = list(nodes)
+        ids = [n.id for n in nodes]
+        if len(set(ids)) != len(ids):
+            msg = "add() got the same node id twice in one call"
+            raise InvalidInputError(msg)
+        if MANIFEST_ID in ids:
+            msg = f"{MANIFEST_ID!r} is reserved for the tree's manifest; rename the node"
+            raise InvalidInputError(msg)
+        arr = _unit(vectors, len(nodes), self.dim)
+        if not nodes:
+            return
+        counting = self.dialect.can_count
+        before = [] if counting else self.get(ids)
+        docs = [node_to_document(n, native_lists=self.dialect.native_lists) for n in nodes]
+        self.dialect.upsert(docs, arr)
+        self._top = None
+        if self._dim is None:
+            self._dim = int(arr.shape[1])
+        if not counting:
+            self._resize(added=nodes, removed=before, dim=int(arr.shape[1]))
+
+    def delete(self, ids: Sequence[str]) -> None:
+        """Remove the nodes with these ids; unknown ids are ignored."""
+        ids = [i for i in dict.fromkeys(ids) if i != MANIFEST_ID]
+        if not ids:
+            return
+        counting = self.dialect.can_count
+        before = [] if counting else self.get(ids)
+        self.dialect.delete(ids)
+        self._top = None
+        if not counting and before:
+            self._resize(added=[], removed=before, dim=None)
+
+    def _resize(self, *, added: Sequence[Node], removed: Sequence[Node], dim: int | None) -> None:
+        """Keep the manifest's per-layer sizes current (stores that cannot count)."""
+        sizes = self._layer_sizes()
+        for node, step in [(n, -1) for n in removed] + [(n, 1) for n in added]:
+            sizes += [0] * (node.layer + 1 - len(sizes))
+            sizes[node.layer] = max(0, sizes[node.layer] + step)
+        while sizes and sizes[-1] == 0:
+            sizes.pop()
+        manifest = dict(self.manifest or {})
+        manifest.update(layer_sizes=sizes)
+        if "format" not in manifest:
+            # Nodes written before the tree's manifest (add_tree writes it last).
+            manifest.update(
+                format=STORE_FORMAT[0],
+                format_version=STORE_FORMAT[1],
+                raptor_version=__version__,
+                params={},
+                complete=False,
+            )
+        manifest.setdefault("dim", dim if dim is not None else self.dim)
+        self._write_manifest(manifest)
+
+    def add_tree(self, tree: Tree, *, batch_size: int = 1000) -> None:
+        """Write every node of ``tree`` and a manifest recording ``tree.params``.
+
+        Raises:
+            InvalidParameterError: the store already holds a tree (reopen it with
+                ``RaptorRetriever.from_vectorstore``, or use an empty store).
+        """
+        if self.manifest is not None or len(self) > 0:
+            msg = (
+                f"the {type(self.vectorstore).__name__} already holds documents: write a tree "
+                "into an empty store (collection), or reopen the tree it holds with "
+                "RaptorRetriever.from_vectorstore"
+            )
+            raise InvalidParameterError(msg)
+        if len(tree) == 0:
+            return
+        nodes = list(tree.nodes)
+        for start in range(0, len(nodes), batch_size):
+            self.add(nodes[start : start + batch_size], tree.embeddings[start : start + batch_size])
+        # Last, like tree.json in a tree directory: an interrupted write leaves no complete
+        # manifest, and from_vectorstore refuses the store instead of serving half a tree.
+        self.write_manifest(params=tree.params, dim=tree.dim)
+
+    # -- reads -----------------------------------------------------------------------------------
+    def _fetch_nodes(
+        self, ids: Sequence[str], *, vectors: bool, native: Any = None
+    ) -> list[tuple[Node, NDArray[np.float32] | None]]:
+        rows = self.dialect.fetch(list(ids), native=native, vectors=vectors)
+        return [
+            (document_to_node(r.document), r.vector) for r in rows if is_node_document(r.document)
+        ]
+
+    def get(self, ids: Sequence[str]) -> list[Node]:
+        """The stored nodes with these ids, in the order asked; unknown ids are left out."""
+        wanted = [i for i in dict.fromkeys(ids) if i != MANIFEST_ID]
+        if not wanted:
+            return []
+        by_id = {node.id: node for node, _ in self._fetch_nodes(wanted, vectors=False)}
+        return [by_id[i] for i in ids if i in by_id]
+
+    def vectors(self, ids: Sequence[str]) -> NDArray[np.float32]:
+        """The ``(len(ids), d)`` unit vectors of these ids.
+
+        Raises:
+            KeyError: an id is not stored.
+        """
+        ids = list(ids)
+        found = self._fetch_nodes(list(dict.fromkeys(ids)), vectors=True)
+        missing = set(ids) - {node.id for node, _ in found}
+        if missing:
+            raise KeyError(sorted(missing)[0])
+        scored = self._with_vectors(found)
+        by_id = {node.id: vector for node, vector in scored}
+        if not ids:
+            return np.zeros((0, self.dim or 0), dtype=np.float32)
+        return np.stack([by_id[i] for i in ids]).astype(np.float32)
+
+    def _with_vectors(
+        self, found: Sequence[tuple[Node, NDArray[np.float32] | None]]
+    ) -> list[tuple[Node, NDArray[np.float32]]]:
+        """Unit vectors for ``found``: the stored ones, else the texts embedded again."""
+        missing = [i for i, (_, v) in enumerate(found) if v is None]
+        vectors = [v for _, v in found]
+        if missing:
+            embedder = _core_embedder(self.embeddings)
+            if embedder is None:
+                msg = (
+                    f"{type(self.vectorstore).__name__} returns no vectors, so its results are "
+                    "scored by embedding them again: pass embeddings= (the tree's model)"
+                )
+                raise InvalidParameterError(msg)
+            again = np.asarray(
+                embedder.embed_documents([found[i][0].text for i in missing]), dtype=np.float32
+            )
+            for i, vector in zip(missing, again, strict=True):
+                vectors[i] = vector
+        out = []
+        for (node, _), vector in zip(found, vectors, strict=True):
+            v = np.asarray(vector, dtype=np.float32).reshape(-1)
+            norm = float(np.linalg.norm(v))
+            out.append((node, v / norm if norm > 0 else v))
+        return out
+
+    def to_tree(self) -> Tree:
+        """The stored nodes as an in-memory :class:`Tree` (layer by layer), for ``Tree.save``.
+
+        Raises:
+            InvalidParameterError: the store cannot list its documents.
+            TreeFormatError: the stored nodes do not form a tree.
+        """
+        nodes = sorted(self, key=lambda n: n.layer)
+        if not nodes:
+            return Tree(nodes=(), embeddings=np.zeros((0, self.dim or 0), dtype=np.float32))
+        matrix = self.vectors([n.id for n in nodes])
+        return Tree(nodes=tuple(nodes), embeddings=matrix, params=self.params)
+
+    # -- search ----------------------------------------------------------------------------------
+    def search(
+        self, vector: NDArray[np.float32], k: int, *, where: NodeFilter | None = None
+    ) -> list[Match]:
+        """The ``k`` stored nodes most similar to ``vector`` passing ``where``, best first.
+
+        ``where.native`` is a filter in the store's own dialect (a callable
+        ``(Document) -> bool`` for ``InMemoryVectorStore``, a ``where`` dict for Chroma, the
+        ``filter=`` of ``similarity_search_by_vector`` elsewhere); it sees the stored
+        documents, with the ``raptor_`` keys above.
+
+        Raises:
+            InvalidParameterError: ``k`` is not a positive integer, a filter is malformed.
+            InvalidInputError: the vector's dimension is not the store's.
+        """
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+            msg = f"k must be a positive integer, got {k!r}"
+            raise InvalidParameterError(msg)
+        where = where if where is not None else NodeFilter()
+        if where.where is not None:
+            check_where(where.where)
+        q = np.asarray(vector, dtype=np.float32).reshape(-1)
+        dim = self.dim
+        if dim is None:
+            return []  # nothing stored
+        if q.shape[0] != dim:
+            msg = f"query vector has dimension {q.shape[0]} but the store holds {dim}"
+            raise InvalidInputError(msg)
+        ids = self._restricted_ids(where)
+        if ids is not None and not ids:
+            return []
+        if (where.layers is not None and not where.layers) or (
+            where.doc_ids is not None and not where.doc_ids
+        ):
+            return []
+        pushdown = self._pushdown(where, ids)
+        if ids is not None and (where.native is None or self.dialect.fetch_filters):
+            found = self._search_ids(q, int(k), sorted(ids), pushdown, where.native)
+        else:
+            found = self._search_store(q, int(k), pushdown, where.native)
+        return found
+
+    def _restricted_ids(self, where: NodeFilter) -> frozenset[str] | None:
+        """The ids a search is limited to (``ids`` and children of ``parents``), if any."""
+        ids = where.ids
+        if where.parents is not None:
+            children = frozenset(c for p in self.get(sorted(where.parents)) for c in p.children)
+            ids = children if ids is None else ids & children
+        return ids
+
+    @staticmethod
+    def _pushdown(where: NodeFilter, ids: frozenset[str] | None) -> Pushdown:
+        passes: Callable[[Node], bool] | None = (
+            compile_where(where.where) if where.where is not None else None
+        )
+        layers, doc_ids, carried = where.layers, where.doc_ids, where.include_carried
+
+        def accepts(doc: Document) -> bool:
+            # Cheap keys first: most documents are decided without decoding.
+            meta = doc.metadata
+            if not meta or "raptor_layer" not in meta:
+                return False
+            if layers is not None and meta["raptor_layer"] not in layers:
+                return False
+            if not carried and meta.get("raptor_carried") is True:
+                return False
+            if doc_ids is not None and meta.get("raptor_doc_id") not in doc_ids:
+                return False
+            if ids is not None and (doc.id or meta.get("raptor_id")) not in ids:
+                return False
+            return passes is None or passes(document_to_node(doc))
+
+        return Pushdown(
+            layers=layers,
+            doc_ids=doc_ids,
+            include_carried=carried,
+            where=where.where,
+            accepts=accepts,
+        )
+
+    @staticmethod
+    def _rank(scored: list[tuple[Node, float]], k: int) -> list[Match]:
+        # Equal scores (a summary that copies its only child's text) go lower layer first,
+        # as in the in-memory store, which keeps the tree's layer-major order; otherwise
+        # the sort is stable and keeps the store's order.
+        scored.sort(key=lambda pair: (-pair[1], pair[0].layer))
+        return [Match(node, score) for node, score in scored[:k]]
+
+    def _score(
+        self, q: NDArray[np.float32], rows: Sequence[Row], pushdown: Pushdown
+    ) -> list[tuple[Node, float]]:
+        kept = [
+            (document_to_node(r.document), r.vector) for r in rows if pushdown.accepts(r.document)
+        ]
+        if not kept:
+            return []
+        pairs = self._with_vectors(kept)
+        # One matrix-vector product, as the in-memory store computes its scores.
+        scores = np.stack([v for _, v in pairs]) @ q
+        return [(node, float(s)) for (node, _), s in zip(pairs, scores, strict=True)]
+
+    def _search_ids(
+        self, q: NDArray[np.float32], k: int, ids: list[str], pushdown: Pushdown, native: Any
+    ) -> list[Match]:
+        """Score a known set of ids exactly: fetch them with their vectors, no ANN search."""
+        ours, _ = self.dialect.translate(pushdown)
+        rows = self.dialect.fetch(
+            ids, native=self.dialect.conjoin(ours, native), vectors=self.dialect.has_vectors
+        )
+        return self._rank(self._score(q, rows, pushdown), k)
+
+    def _search_store(
+        self, q: NDArray[np.float32], k: int, pushdown: Pushdown, native: Any
+    ) -> list[Match]:
+        """Search the store; widen the search while the checks in Python drop too many."""
+        ours, exact = self.dialect.translate(pushdown)
+        native_filter = self.dialect.conjoin(ours, native)
+        m = k if exact else k + _SLACK
+        while True:
+            rows = self.dialect.query(q, m, native=native_filter)
+            scored = self._score(q, rows, pushdown)
+            if len(scored) >= k or len(rows) < m:
+                return self._rank(scored, k)
+            m *= 4

@@ -1,0 +1,255 @@
+"""The passage strategy (the default) and its BM25 index, offline with fakes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from raptor_core import DEFAULT_STRATEGY, PassageRetriever, Tree, TreeBuilder, make_retriever
+from raptor_core.exceptions import InvalidParameterError
+from raptor_core.retrieval.lexical import BM25Index, lexical_tokens
+from raptor_core.retrieval.passage import SEPARATOR, seed_strength
+from raptor_core.store.memory import InMemoryNodeStore
+from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer, tiny_tree
+from raptor_core.tokenizers import count_tokens
+
+BEES = (
+    "Bees live in a hive with one queen. The queen lays the eggs of the colony. "
+    "Worker bees gather nectar from flowers. They dance to show the others where flowers are. "
+    "In winter the bees cluster together. They shiver their flight muscles to keep warm. "
+    "Honey is the food they store for the cold months. Beekeepers take only the surplus honey."
+)
+ROCKETS = (
+    "Rockets burn liquid fuel and oxidiser. The exhaust pushes the rocket upwards. "
+    "Stages drop away when their fuel is spent. A satellite reaches orbit at high speed. "
+    "Engineers test engines on the ground first. Launch pads are far from towns."
+)
+STORY = (
+    "A miller had three sons and a cat. When he died the eldest took the mill. "
+    "The second son took the donkey. The youngest got only the cat and was sad. "
+    "The cat asked for boots and a bag. With them it caught rabbits for the king. "
+    "The king was pleased and rewarded the youngest son. He married the princess in the end."
+)
+
+
+@pytest.fixture(scope="module")
+def tree() -> Tree:
+    builder = TreeBuilder(
+        FakeEmbedder(32),
+        EchoSummarizer(),
+        tokenizer=WhitespaceTokenizer(),
+        chunk_max_tokens=12,
+        summary_max_tokens=10,
+        random_state=0,
+    )
+    return builder.build(
+        [
+            {"doc_id": "bees", "text": BEES},
+            {"doc_id": "rockets", "text": ROCKETS},
+            {"doc_id": "story", "text": STORY},
+        ]
+    )
+
+
+def retriever(tree: Tree, **params: object) -> PassageRetriever:
+    return PassageRetriever(tree, FakeEmbedder(32), **params)  # type: ignore[arg-type]
+
+
+def leaves_in_order(tree: Tree, doc_id: str) -> list[str]:
+    leaves = [leaf for leaf in tree.leaves if leaf.doc_id == doc_id]
+    return [leaf.id for leaf in sorted(leaves, key=lambda n: n.span or (0, 0))]
+
+
+QUERIES = ["why do bees shiver in winter", "what did the cat ask for", "rocket fuel", "honey"]
+
+
+def test_is_the_default_strategy(tree: Tree) -> None:
+    assert DEFAULT_STRATEGY == "passage"
+    assert isinstance(make_retriever(DEFAULT_STRATEGY, tree, FakeEmbedder(32)), PassageRetriever)
+
+
+@pytest.mark.parametrize("budget", [5, 12, 30, 60, 200])
+@pytest.mark.parametrize("query", QUERIES)
+def test_budget_is_never_exceeded(tree: Tree, query: str, budget: int) -> None:
+    tokenizer = WhitespaceTokenizer()
+    hits = retriever(tree, k=100).retrieve(query, max_tokens=budget)
+    assert sum(count_tokens(tokenizer, h.node.text) for h in hits) <= budget
+    assert sum(h.node.token_count for h in hits) <= budget
+    # Without a tokenizer (a tree that names none) whole leaves only, still within budget.
+    bare = Tree(nodes=tree.nodes, embeddings=tree.embeddings)
+    hits = PassageRetriever(bare, FakeEmbedder(32), k=100).retrieve(query, max_tokens=budget)
+    assert sum(count_tokens(tokenizer, h.node.text) for h in hits) <= budget
+    assert all("[" not in h.id for h in hits)  # nothing was cut
+
+
+@pytest.mark.parametrize("query", QUERIES)
+def test_passages_are_contiguous_leaves_of_one_document(tree: Tree, query: str) -> None:
+    hits = retriever(tree, k=100).retrieve(query, max_tokens=80)
+    assert hits
+    used: set[str] = set()
+    for hit in hits:
+        assert hit.layer == 0 and hit.source == "passage"
+        ids = list(hit.leaves) or [hit.id]
+        leaves = [tree.node(i) for i in ids]
+        assert len({leaf.doc_id for leaf in leaves}) == 1
+        assert hit.node.doc_id == leaves[0].doc_id
+        order = leaves_in_order(tree, leaves[0].doc_id)  # type: ignore[arg-type]
+        start = order.index(ids[0])
+        assert order[start : start + len(ids)] == ids  # consecutive, in document order
+        assert not used & set(ids)  # each leaf in one passage at most
+        used |= set(ids)
+        if hit.leaves and "[" not in hit.id:
+            assert hit.id == f"{ids[0]}..{ids[-1]}"
+            assert hit.node.text == SEPARATOR.join(leaf.text for leaf in leaves)
+            assert hit.node.span == (leaves[0].span[0], leaves[-1].span[1])  # type: ignore[index]
+        elif not hit.leaves:
+            assert hit.node is tree.node(hit.id)  # a single leaf is the tree's own node
+
+
+@pytest.mark.parametrize("query", QUERIES)
+def test_scores_are_the_best_leaf_cosine_in_unit_range(tree: Tree, query: str) -> None:
+    q = FakeEmbedder(32).embed_query(query)
+    q = q / np.linalg.norm(q)
+    for hit in retriever(tree, k=100).retrieve(query, max_tokens=60):
+        assert 0.0 <= hit.score <= 1.0
+        ids = list(hit.leaves) or [hit.id]
+        cosines = [float(tree.embeddings[tree.row(i)] @ q) for i in ids]
+        assert hit.score == pytest.approx(max(0.0, max(cosines)), abs=1e-6)
+        assert [c for _, c in hit.evidence] == pytest.approx(cosines, abs=1e-6)
+
+
+def test_deterministic_across_calls_and_instances(tree: Tree) -> None:
+    first = [(h.id, h.score, h.node.text) for h in retriever(tree).retrieve("honey bees")]
+    again = [(h.id, h.score, h.node.text) for h in retriever(tree).retrieve("honey bees")]
+    assert first == again
+    copy = Tree(nodes=tree.nodes, embeddings=np.array(tree.embeddings), params=tree.params)
+    other = [(h.id, h.score, h.node.text) for h in retriever(copy).retrieve("honey bees")]
+    assert other == first
+
+
+def test_the_last_passage_is_cut_to_fill_the_budget(tree: Tree) -> None:
+    tokenizer = WhitespaceTokenizer()
+    for budget in range(3, 40):
+        hits = retriever(tree, k=100).retrieve("bees shiver in winter", max_tokens=budget)
+        used = sum(count_tokens(tokenizer, h.node.text) for h in hits)
+        assert used <= budget
+        cut = [h for h in hits if "[" in h.id]
+        assert len(cut) <= 1
+        if cut:
+            # Only the last leaf of a passage is cut, keeping a start (or end) of its text.
+            hit = cut[0]
+            leaf = tree.node(hit.leaves[-1] if hit.id.endswith("]") else hit.leaves[0])
+            piece = hit.node.text.split(SEPARATOR)[-1 if hit.id.endswith("]") else 0]
+            assert leaf.text.startswith(piece) or leaf.text.endswith(piece)
+            assert used >= budget - 1  # the cut fills the budget (one token for a separator)
+
+
+def test_a_store_from_the_tree_cuts_with_the_tree_tokenizer(tree: Tree) -> None:
+    # The in-memory store keeps the tree's params, so it finds the same budget tokenizer;
+    # a store filled node by node knows none and returns whole leaves only.
+    store = InMemoryNodeStore.from_tree(tree)
+    bare = InMemoryNodeStore()
+    bare.add(list(tree.nodes), tree.embeddings)
+    query = "bees shiver in winter"
+    on_tree = retriever(tree, k=100).retrieve(query, max_tokens=17)
+    assert any("[" in h.id for h in on_tree)
+    on_store = PassageRetriever(store, FakeEmbedder(32), k=100).retrieve(query, max_tokens=17)
+    assert [(h.id, h.node.text) for h in on_store] == [(h.id, h.node.text) for h in on_tree]
+    whole = PassageRetriever(bare, FakeEmbedder(32), k=100).retrieve(query, max_tokens=17)
+    assert not any("[" in h.id for h in whole)
+
+
+def test_without_a_budget_the_k_strongest_leaves_come_back_alone(tree: Tree) -> None:
+    hits = retriever(tree, k=3, max_tokens=None).retrieve("queen bee eggs")
+    assert len(hits) == 3
+    assert all(not h.leaves and h.node is tree.node(h.id) for h in hits)
+    every = retriever(tree, k=1000, max_tokens=None).retrieve("queen bee eggs")
+    assert sorted(h.id for h in every) == sorted(leaf.id for leaf in tree.leaves)
+
+
+def test_k_bounds_the_number_of_passages(tree: Tree) -> None:
+    for k in (1, 2, 3):
+        hits = retriever(tree, k=k).retrieve("bees and rockets and cats", max_tokens=500)
+        assert 1 <= len(hits) <= k
+
+
+def test_growth_needs_relevant_neighbours(tree: Tree) -> None:
+    def covered(hits: list) -> list[list[str]]:  # type: ignore[type-arg]
+        return [list(h.leaves) or [h.id] for h in hits]
+
+    q = FakeEmbedder(32).embed_query("honey")
+    best = max(tree.leaves, key=lambda n: float(tree.embeddings[tree.row(n.id)] @ q))
+    flat = retriever(tree, k=100, window=0, lexical=False).retrieve("honey", max_tokens=24)
+    assert best.id in covered(flat)[0]  # window 0: plain similarity order
+    # No neighbour is relevant with rank_factor 0: the same selection as no window at all.
+    none = retriever(tree, k=100, rank_factor=0, lexical=False).retrieve("honey", max_tokens=24)
+    assert covered(none) == covered(flat)
+    grown = retriever(tree, k=100, rank_factor=100).retrieve("honey", max_tokens=200)
+    assert max(map(len, covered(grown))) > max(map(len, covered(flat)))
+
+
+def test_filters_and_min_score(tree: Tree) -> None:
+    hits = retriever(tree, where={"doc_id": "story"}).retrieve("bees", max_tokens=80)
+    assert hits and all(h.node.doc_id == "story" for h in hits)
+    assert retriever(tree, min_score=0.999).retrieve("zzz unrelated words", max_tokens=80) == []
+
+
+def test_parameters_are_validated(tree: Tree) -> None:
+    for params in ({"window": -1}, {"window": 1.5}, {"rank_factor": -1}, {"rank_factor": math.inf}):
+        with pytest.raises(InvalidParameterError):
+            retriever(tree, **params).retrieve("bees")
+    with pytest.raises(InvalidParameterError):
+        retriever(tree, lexical="yes").retrieve("bees")
+    assert retriever(tree, window=1).get_params()["window"] == 1
+
+
+def test_tiny_tree_joins_neighbours_into_one_passage() -> None:
+    tree = tiny_tree()
+    hit = PassageRetriever(tree, FakeEmbedder(tree.dim), max_tokens=30).retrieve("cats purr")[0]
+    assert hit.id == "L0.0..L0.1" and hit.leaves == ("L0.0", "L0.1")
+
+
+def test_seed_strength_takes_the_best_relative_signal() -> None:
+    cosine = np.array([0.5, 0.4, -0.1], dtype=np.float32)
+    lexical = np.array([0.0, 2.0, 1.0], dtype=np.float32)
+    assert seed_strength(cosine, lexical).tolist() == pytest.approx([1.0, 1.0, 0.5])
+    assert seed_strength(cosine, None).tolist() == pytest.approx([1.0, 0.8, 0.0])
+    assert seed_strength(cosine, np.zeros(3, dtype=np.float32)).tolist() == pytest.approx(
+        [1.0, 0.8, 0.0]
+    )
+
+
+# -- BM25 ------------------------------------------------------------------------------------------
+def brute_bm25(texts: list[str], query: str, k1: float = 1.5, b: float = 0.75) -> list[float]:
+    docs = [lexical_tokens(t) for t in texts]
+    avgdl = sum(map(len, docs)) / len(docs)
+    n = len(docs)
+    out = []
+    for doc in docs:
+        score = 0.0
+        for term in set(lexical_tokens(query)):
+            df = sum(term in d for d in docs)
+            tf = doc.count(term)
+            if tf:
+                idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
+                score += idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * len(doc) / avgdl))
+        out.append(score)
+    return out
+
+
+def test_bm25_matches_the_formula() -> None:
+    texts = [BEES, ROCKETS, STORY, "bees bees bees honey", "the a of"]
+    index = BM25Index(texts)
+    for query in ["bees honey", "rocket fuel orbit", "cat king", "the"]:
+        assert index.scores(query).tolist() == pytest.approx(brute_bm25(texts, query), rel=1e-5)
+
+
+def test_bm25_tokens_and_edge_cases() -> None:
+    assert lexical_tokens("The Bees of the hive, and 3 queens!") == ["bee", "hive", "3", "queen"]
+    assert lexical_tokens("Glass boss bus") == ["glass", "boss", "bus"]  # no over-folding
+    assert BM25Index([]).scores("bees").shape == (0,)
+    assert BM25Index(["bees"]).scores("the of and").tolist() == [0.0]
+    with pytest.raises(InvalidParameterError):
+        BM25Index(["x"], b=2.0)

@@ -1,0 +1,132 @@
+"""The NodeStore seam: the in-memory store against the conformance suite, and the filters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raptor_core import InvalidParameterError
+from raptor_core.backends.faiss_index import FaissIndex
+from raptor_core.retrieval.base import as_store
+from raptor_core.store.filters import check_where, compile_where
+from raptor_core.store.memory import InMemoryNodeStore
+from raptor_core.testing import NodeStoreTests, random_tree, store_tree
+from raptor_core.tree import Node
+from raptor_core.types import NodeFilter
+
+
+class TestInMemoryNodeStore(NodeStoreTests):
+    def make_store(self) -> InMemoryNodeStore:
+        return InMemoryNodeStore()
+
+
+class TestInMemoryNodeStoreOverFaiss(NodeStoreTests):
+    def make_store(self) -> InMemoryNodeStore:
+        return InMemoryNodeStore(index=FaissIndex())
+
+
+def test_a_tree_is_wrapped_once_without_copying_its_matrix() -> None:
+    tree = random_tree(200)
+    store = as_store(tree)
+    assert as_store(tree) is store
+    assert isinstance(store, InMemoryNodeStore)
+    assert np.shares_memory(store.vectors([tree.nodes[0].id]), tree.embeddings) is False
+    assert store._full() is tree.embeddings  # the tree's read-only matrix, not a copy
+
+
+def test_to_tree_round_trips_after_updates() -> None:
+    tree = store_tree()
+    store = InMemoryNodeStore.from_tree(tree)
+    again = store.to_tree(params=tree.params)
+    assert [n.id for n in again.nodes] == [n.id for n in tree.nodes]
+    np.testing.assert_array_equal(again.embeddings, tree.embeddings)
+
+
+def test_deletes_compact_and_keep_order() -> None:
+    tree = random_tree(120, fanout=4)
+    store = InMemoryNodeStore.from_tree(tree)
+    leaves = [n.id for n in tree.leaves]
+    store.delete(leaves[: len(leaves) // 2])  # more than a quarter: compacts
+    assert store._dead == 0
+    assert [n.id for n in store][: len(leaves) // 2] == leaves[len(leaves) // 2 :]
+    q = tree.embeddings[tree.row(leaves[-1])]
+    assert store.search(q, 1)[0].node.id == leaves[-1]
+
+
+def test_native_filter_is_a_callable() -> None:
+    store = InMemoryNodeStore.from_tree(store_tree())
+    q = store.vectors([next(iter(store)).id])[0]
+    found = store.search(q, 50, where=NodeFilter(native=lambda n: n.token_count > 5))
+    assert found and all(m.node.token_count > 5 for m in found)
+    with pytest.raises(InvalidParameterError, match="callable"):
+        store.search(q, 5, where=NodeFilter(native={"topic": "space"}))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {},
+        {"$not": {"a": 1}},
+        {"a": {"$regex": "x"}},
+        {"a": {"$in": "abc"}},
+        {"a": {"$gt": [1]}},
+        {"a": {"$gt": True}},
+        {"$and": []},
+        {"$or": {"a": 1}},
+        {"a": {}},
+        {1: "x"},
+        {"a": [1, 2]},
+    ],
+)
+def test_malformed_filters_are_rejected(bad: object) -> None:
+    with pytest.raises(InvalidParameterError):
+        check_where(bad)
+
+
+def test_filter_semantics() -> None:
+    node = Node(
+        id="n",
+        text="t",
+        layer=0,
+        token_count=1,
+        doc_id="d",
+        metadata={"flag": True, "n": 1, "s": "b"},
+    )
+    yes = [
+        {"flag": True},
+        {"n": 1},
+        {"n": {"$gte": 1, "$lt": 2}},
+        {"s": {"$gt": "a"}},
+        {"missing": {"$ne": 3}},
+        {"missing": {"$nin": [3]}},
+        {"doc_id": "d"},
+        {"$or": [{"n": 5}, {"s": "b"}]},
+    ]
+    no = [
+        {"flag": 1},  # a bool is not a number
+        {"n": True},
+        {"missing": 3},
+        {"missing": {"$gt": 0}},
+        {"s": {"$gt": 0}},  # a string never compares with a number
+        {"n": {"$in": [2, 3]}},
+        {"doc_id": "e"},
+        {"$and": [{"n": 1}, {"s": "c"}]},
+    ]
+    for where in yes:
+        assert compile_where(where)(node), where
+    for where in no:
+        assert not compile_where(where)(node), where
+
+
+def test_retrievers_filter_by_metadata_on_a_tree() -> None:
+    from raptor_core import CollapsedTreeRetriever
+    from raptor_core.testing import FakeEmbedder
+
+    tree = store_tree()
+    retriever = CollapsedTreeRetriever(
+        tree, FakeEmbedder(dim=tree.dim), k=50, max_tokens=None, where={"doc_id": "rockets"}
+    )
+    hits = retriever.retrieve("orbit")
+    assert hits and all(h.node.doc_ids == ("rockets",) for h in hits)
+    with pytest.raises(InvalidParameterError):
+        CollapsedTreeRetriever(tree, FakeEmbedder(dim=tree.dim), where={"$bad": 1}).retrieve("x")
