@@ -257,12 +257,15 @@ class NodeStoreTests:
 
     Override :meth:`make_store` (a new, empty store for vectors of dimension ``dim``).  An
     approximate (ANN) store sets ``exact = False``: rankings are then compared as sets of
-    the top hits rather than in order.  Errors for bad input must be ``ValueError``
+    the top hits rather than in order.  A store that cannot list its nodes sets
+    ``listable = False``: strategies that read every leaf once (``passage``) must then fail
+    with a clear error instead of answering.  Errors for bad input must be ``ValueError``
     subclasses (``InvalidInputError``, ``InvalidParameterError``).
     """
 
     dim = 32
     exact = True
+    listable = True
     score_atol = 1e-5
 
     def make_store(self) -> NodeStore:
@@ -465,6 +468,8 @@ class NodeStoreTests:
 
     def test_strategies_match_the_in_memory_store(self) -> None:
         """Every strategy returns the same nodes, scores and order as on the tree itself."""
+        import pytest
+
         from raptor_core.retrieval.passage import tree_tokenizer
         from raptor_core.retrieval.registry import make_retriever
         from raptor_core.testing import FakeEmbedder, ScriptedLLM, select_first
@@ -493,6 +498,11 @@ class NodeStoreTests:
         ]
         for query in ("where do bees find flowers", "rocket fuel and orbit", "lava and ash"):
             for strategy, params in configs:
+                if strategy == "passage" and not self.listable:
+                    unlisted = make_retriever(strategy, store, embedder, **params)
+                    with pytest.raises(ValueError, match="list"):
+                        unlisted.retrieve(query)
+                    continue
                 results = []
                 for source in (tree, store):
                     llm = ScriptedLLM(default=select_first(2))

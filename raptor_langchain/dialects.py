@@ -578,8 +578,9 @@ class GenericDialect:
         """The ``VectorStore`` API cannot list documents."""
         msg = (
             f"{self.name} cannot list its documents through the VectorStore API, so this "
-            "operation (iterating the tree, exporting it) needs a store with a dialect "
-            "(InMemoryVectorStore, Chroma) or one you write"
+            "operation (iterating the tree, exporting it, the 'passage' strategy, which reads "
+            "every leaf once) needs a store with a dialect (InMemoryVectorStore, Chroma) or one "
+            "you write; on this store, search with strategy='collapsed' (or another strategy)"
         )
         raise InvalidParameterError(msg)
 

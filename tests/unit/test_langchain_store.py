@@ -58,6 +58,7 @@ class TestGenericDialectNodeStore(NodeStoreTests):
     """
 
     exact = False
+    listable = False
 
     def make_store(self) -> LangChainNodeStore:
         vectorstore = in_memory_vectorstore(self.dim)
