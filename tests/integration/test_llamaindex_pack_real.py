@@ -160,3 +160,47 @@ def test_a_real_node_parser_decides_the_leaves(embed_model: MiniLMEmbedding) -> 
         assert node.relationships[NodeRelationship.SOURCE].node_id == node.ref_doc_id
         assert node.ref_doc_id in {d.doc_id for d in docs}
     assert any(n.ref_doc_id == BEES for n in leaves)
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def python_blocks(page: str) -> list[tuple[bool, str]]:
+    """``(runs, code)`` for each python block; a ``<!-- not run: ... -->`` line opts out."""
+    text = (DOCS / page).read_text(encoding="utf-8")
+    out = []
+    for match in re.finditer(r"(<!-- not run:[^\n]*-->\n)?```python\n(.*?)```", text, re.DOTALL):
+        out.append((match.group(1) is None, match.group(2)))
+    return out
+
+
+def test_the_migration_page_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocks = python_blocks("migrating-from-the-pack.md")
+    before, after = (code for runs, code in blocks if "RaptorPack(" in code)
+    # "Only the import differs" between the pack's usage and ours.
+    changed = [
+        (old, new)
+        for old, new in zip(before.splitlines(), after.splitlines(), strict=True)
+        if old != new
+    ]
+    assert changed == [
+        (
+            "from llama_index.packs.raptor import RaptorPack, RaptorRetriever",
+            "from raptor_llamaindex.pack import RaptorPack, RaptorRetriever",
+        )
+    ]
+    monkeypatch.chdir(tmp_path)
+    ran = 0
+    for runs, code in blocks:
+        if runs:
+            namespace: dict[str, Any] = {}
+            exec(compile(code, "migrating-from-the-pack.md", "exec"), namespace)
+            ran += 1
+    assert ran == 3
+    assert (tmp_path / "raptor_pack_index").is_dir()
+
+
+def test_the_node_parser_section_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (code,) = [c for runs, c in python_blocks("llamaindex.md") if runs and "SentenceSplitter" in c]
+    exec(compile(code, "llamaindex.md", "exec"), {})
