@@ -294,7 +294,7 @@ class RaptorRetriever(BaseRetriever):
         """Build a tree over ``nodes`` or ``documents`` (or take ``tree``) and wrap it.
 
         Args:
-            nodes: LlamaIndex nodes; each becomes one source text of the tree.
+            nodes: LlamaIndex nodes; each is one leaf of the tree, kept whole with its id.
             documents: LlamaIndex ``Document`` objects.
             tree: an existing tree instead of nodes/documents.
             embed_model: embeds chunks, summaries and queries (see the class docstring).

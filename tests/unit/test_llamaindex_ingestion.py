@@ -28,10 +28,8 @@ from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import MetadataMode, NodeRelationship, TextNode
 from pydantic import Field
 
-from raptor_core.build.builder import TreeBuilder
-from raptor_core.exceptions import InvalidInputError, InvalidParameterError
+from raptor_core.exceptions import InvalidParameterError
 from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer
-from raptor_core.types import Document as CoreDocument
 from raptor_llamaindex import LlamaIndexEmbedder, RaptorIndex
 from raptor_llamaindex.ingestion import LLAMAINDEX_NODE_KEY, node_to_document, pop_node_fields
 
@@ -84,61 +82,6 @@ def user_nodes() -> list[TextNode]:
         before.relationships[NodeRelationship.NEXT] = after.as_related_node_info()
         after.relationships[NodeRelationship.PREVIOUS] = before.as_related_node_info()
     return nodes
-
-
-# -- core: pre-split chunks ---------------------------------------------------------------------
-def test_core_pre_split_chunks_are_single_leaves_named_by_their_id() -> None:
-    long_text = " ".join(f"word{i}." for i in range(40))  # 40 tokens, chunk_max_tokens is 8
-    docs = [
-        CoreDocument(text=long_text, doc_id="chunk-a", chunk_of="book"),
-        CoreDocument(text="Short one. Two words.", doc_id="chunk-b", chunk_of="book"),
-        CoreDocument(text=TEXTS["cats"], doc_id="whole"),  # split by the builder as before
-    ]
-    tree = TreeBuilder(FakeEmbedder(16), **fast()).build(docs)
-    leaves = {leaf.id: leaf for leaf in tree.leaves}
-    assert leaves["chunk-a"].text == long_text
-    assert leaves["chunk-a"].token_count == 40
-    assert (leaves["chunk-a"].doc_id, leaves["chunk-a"].span) == ("book", None)
-    whole = [leaf for leaf in tree.leaves if leaf.doc_id == "whole"]
-    assert len(whole) > 1 and all(leaf.span is not None for leaf in whole)
-    assert set(tree.doc_ids) == {"book", "whole"}
-
-
-def test_core_estimate_counts_pre_split_chunks_whole() -> None:
-    docs = [CoreDocument(text="a b c d e f g h i j k l", doc_id="c1", chunk_of="d")]
-    estimate = TreeBuilder(FakeEmbedder(16), **fast()).estimate(docs)
-    assert estimate.chunks == 1
-    assert estimate.layers[0].embed_tokens == 12
-
-
-def test_core_warns_when_a_chunk_exceeds_the_summariser_input(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    # PairClusterer pairs neighbours: (long, short) pairs must be split, short pairs summarised.
-    texts = ["x " * 150, "a b", "c d", "e f", "g h", "i j", "x " * 120, "k l", "x " * 101]
-    docs = [CoreDocument(text=t, doc_id=f"c{i}", chunk_of="d") for i, t in enumerate(texts)]
-    sent: list[list[str]] = []
-
-    class Recording(EchoSummarizer):
-        def summarize(self, texts: Any, *, max_tokens: int) -> str:
-            sent.append(list(texts))
-            return super().summarize(texts, max_tokens=max_tokens)
-
-    options = fast(summarizer=Recording())
-    with caplog.at_level(logging.WARNING, logger="raptor_core.build.leaves"):
-        tree = TreeBuilder(FakeEmbedder(16), **options).build(docs)
-    assert "3 pre-split chunk(s) are longer than cluster_max_tokens=100" in caplog.text
-    # Never summarised: each long chunk is a cluster of its own and carried up unchanged.
-    assert sent and not any(t.startswith("x x") for cluster in sent for t in cluster)
-    assert len(tree.leaves) == len(texts)
-
-
-@pytest.mark.parametrize("bad", ["", 3])
-def test_core_rejects_a_bad_chunk_of(bad: Any) -> None:
-    with pytest.raises(InvalidInputError, match="chunk_of"):
-        TreeBuilder(FakeEmbedder(16), **fast()).build(
-            [CoreDocument(text="some text", doc_id="c", chunk_of=bad)]
-        )
 
 
 # -- adapter: transformations and nodes -----------------------------------------------------------
