@@ -283,3 +283,28 @@ def test_a_core_embedder_over_a_llamaindex_model_emits_events(
     )
     starts = [e for e in events.events if isinstance(e, EmbeddingStartEvent)]
     assert starts
+
+
+def test_a_passage_of_several_nodes_keeps_only_their_source() -> None:
+    text = " ".join(f"Bees dance number {i}. Bees make honey {i}." for i in range(60))
+    index = RaptorIndex.from_documents(
+        [Document(text=text, id_="bees")],
+        embed_model=FakeEmbedder(16),
+        transformations=[SentenceSplitter(chunk_size=40, chunk_overlap=0)],
+        **fast(),
+    )
+    hits = index.as_retriever(similarity_top_k=3, max_tokens=400).retrieve(
+        "Bees dance number 7. Bees make honey 7."
+    )
+    joined = [h.node for h in hits if len(h.node.metadata.get("raptor_leaves", [])) > 1]
+    single = [h.node for h in hits if "raptor_leaves" not in h.node.metadata]
+    assert joined, "the passage strategy should join neighbouring nodes here"
+    for node in joined:
+        # PREVIOUS/NEXT/offsets of the first node would be wrong for the joined passage.
+        assert set(node.relationships) == {NodeRelationship.SOURCE}
+        assert node.ref_doc_id == "bees"
+    for node in single:
+        assert NodeRelationship.NEXT in node.relationships or (
+            NodeRelationship.PREVIOUS in node.relationships
+        )
+    assert all(LLAMAINDEX_NODE_KEY not in h.node.metadata for h in hits)
