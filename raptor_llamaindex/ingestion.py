@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import string
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -301,6 +302,25 @@ def _relationships(value: object) -> dict[NodeRelationship, Any]:
     return out
 
 
+#: The placeholders each template may use: LlamaIndex fills them with str.format, so a
+#: template read from a file must not reach attributes or items ("{content.__class__}").
+_TEMPLATE_PLACEHOLDERS = {
+    "text_template": frozenset({"content", "metadata_str"}),
+    "metadata_template": frozenset({"key", "value"}),
+    "metadata_separator": frozenset(),
+}
+
+
+def _safe_template(name: str, value: object) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
+    except ValueError:  # unbalanced braces
+        return False
+    return all(f in _TEMPLATE_PLACEHOLDERS[name] for f in fields)
+
+
 def _index(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -328,7 +348,9 @@ def pop_node_fields(metadata: dict[str, Any]) -> NodeFields | None:
         start_char_idx=_index(record.get("start_char_idx")),
         end_char_idx=_index(record.get("end_char_idx")),
         templates={
-            name: record[name] for name in _TEMPLATE_FIELDS if isinstance(record.get(name), str)
+            name: record[name]
+            for name in _TEMPLATE_FIELDS
+            if name in record and _safe_template(name, record[name])
         },
     )
 

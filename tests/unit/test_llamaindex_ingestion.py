@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from collections.abc import Iterator
@@ -308,3 +309,48 @@ def test_a_passage_of_several_nodes_keeps_only_their_source() -> None:
             NodeRelationship.PREVIOUS in node.relationships
         )
     assert all(LLAMAINDEX_NODE_KEY not in h.node.metadata for h in hits)
+
+
+def test_templates_survive_and_unsafe_ones_are_dropped() -> None:
+    node = TextNode(
+        id_="n1",
+        text="Bees dance.",
+        metadata={"topic": "bees"},
+        text_template="[{metadata_str}] {content}",
+        metadata_template="{key}={value}",
+        metadata_separator="; ",
+    )
+    doc = node_to_document(node)
+    fields = pop_node_fields(dict(doc.metadata))
+    assert fields is not None
+    assert fields.templates == {
+        "text_template": "[{metadata_str}] {content}",
+        "metadata_template": "{key}={value}",
+        "metadata_separator": "; ",
+    }
+    evil = doc.metadata[LLAMAINDEX_NODE_KEY].replace(
+        "[{metadata_str}] {content}", "{content.__class__.__mro__}"
+    )
+    fields = pop_node_fields({LLAMAINDEX_NODE_KEY: evil})
+    assert fields is not None and "text_template" not in fields.templates
+    index = RaptorIndex.from_documents([node], embed_model=FakeEmbedder(16), **fast())
+    (hit,) = index.as_retriever(strategy="collapsed").retrieve("bees")
+    assert hit.node.get_content(metadata_mode=MetadataMode.LLM) == "[topic=bees] Bees dance."
+
+
+def test_async_build_and_insert_run_the_transformations() -> None:
+    splitter = SentenceSplitter(chunk_size=40, chunk_overlap=0)
+    docs = [Document(text=" ".join(TEXTS.values()) * 2, id_="book")]
+
+    async def main() -> RaptorIndex:
+        index = await RaptorIndex.afrom_documents(
+            docs, embed_model=FakeEmbedder(16), transformations=[splitter], **fast()
+        )
+        await index.ainsert_nodes(user_nodes())
+        return index
+
+    index = asyncio.run(main())
+    expected = [n.get_content() for n in splitter.get_nodes_from_documents(docs)]
+    book = [leaf.text for leaf in index.tree.leaves if leaf.doc_id == "book"]
+    assert book == expected
+    assert set(index.ref_doc_ids) == {"book", "book-0", "book-1"}
