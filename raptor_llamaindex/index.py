@@ -223,6 +223,9 @@ class RaptorIndex:
             )
     """
 
+    #: ``from_documents(transformations=...)``, applied again by :meth:`insert` (not saved).
+    _transformations: Any = None
+
     def __init__(
         self,
         tree: Tree,
@@ -314,6 +317,7 @@ class RaptorIndex:
             builder_kwargs=builder_kwargs,
             callback_manager=callback_manager,
         )
+        index._transformations = transformations
         index._tree = index._build(docs, show_progress=show_progress)
         index._documents = docs
         return index
@@ -347,6 +351,7 @@ class RaptorIndex:
             builder_kwargs=builder_kwargs,
             callback_manager=callback_manager,
         )
+        index._transformations = transformations
         index._tree = await index._abuild(docs, show_progress=show_progress)
         index._documents = docs
         return index
@@ -446,7 +451,8 @@ class RaptorIndex:
         Raises:
             InvalidInputError: the document's id is already indexed, or it is empty/binary.
         """
-        self.insert_nodes([document])
+        # As BaseIndex.insert: a document goes through the index's transformations first.
+        self.insert_nodes(run_ingestion([document], self._transformations))
 
     def _merge_excluded_keys(self, items: Iterable[Any]) -> None:
         for key, names in excluded_metadata_keys(items).items():
@@ -461,7 +467,7 @@ class RaptorIndex:
 
     async def ainsert(self, document: Any, **_: Any) -> None:
         """Async :meth:`insert`."""
-        await self.ainsert_nodes([document])
+        await self.ainsert_nodes(await arun_ingestion([document], self._transformations))
 
     async def ainsert_nodes(self, nodes: Sequence[Any], **_: Any) -> None:
         """Async :meth:`insert_nodes`."""

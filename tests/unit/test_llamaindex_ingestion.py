@@ -354,3 +354,20 @@ def test_async_build_and_insert_run_the_transformations() -> None:
     book = [leaf.text for leaf in index.tree.leaves if leaf.doc_id == "book"]
     assert book == expected
     assert set(index.ref_doc_ids) == {"book", "book-0", "book-1"}
+
+
+def test_insert_runs_the_index_transformations_like_base_index() -> None:
+    splitter = SentenceSplitter(chunk_size=40, chunk_overlap=0)
+    index = RaptorIndex.from_documents(
+        [Document(text=" ".join(TEXTS.values()), id_="a")],
+        embed_model=FakeEmbedder(16),
+        transformations=[splitter],
+        **fast(),
+    )
+    new = Document(text=" ".join(TEXTS.values()) * 2, id_="b")
+    index.insert(new)
+    expected = [n.get_content() for n in splitter.get_nodes_from_documents([new])]
+    assert [leaf.text for leaf in index.tree.leaves if leaf.doc_id == "b"] == expected
+    asyncio.run(index.ainsert(Document(text=TEXTS["cats"] * 3, id_="c")))
+    c_leaves = [leaf for leaf in index.tree.leaves if leaf.doc_id == "c"]
+    assert c_leaves and all(leaf.span is None for leaf in c_leaves)  # the splitter's nodes
