@@ -279,6 +279,14 @@ class RaptorRetriever(BaseRetriever):
         """Async :meth:`retrieve` (no ``asyncio.run``: safe inside a running loop)."""
         return await self._retriever(mode).aretrieve(str_or_query_bundle)
 
+    async def collapsed_retrieval(self, query_str: str) -> list[NodeWithScore]:
+        """The pack's ``collapsed_retrieval``: ``aretrieve(query_str, mode="collapsed")``."""
+        return await self.aretrieve(query_str, mode="collapsed")
+
+    async def tree_traversal_retrieval(self, query_str: str) -> list[NodeWithScore]:
+        """The pack's ``tree_traversal_retrieval``: ``aretrieve(..., mode="tree_traversal")``."""
+        return await self.aretrieve(query_str, mode="tree_traversal")
+
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         return self._retriever(None)._retrieve(query_bundle)
 

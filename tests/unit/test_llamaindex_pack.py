@@ -135,6 +135,10 @@ def test_query_bundle_query_engine_and_running_loop() -> None:
         return len(await retriever.aretrieve("cats", mode="tree_traversal"))
 
     assert asyncio.run(inside_a_loop()) > 0
+    collapsed = asyncio.run(retriever.collapsed_retrieval("cats"))
+    assert collapsed == retriever.retrieve("cats", mode="collapsed")
+    traversal = asyncio.run(retriever.tree_traversal_retrieval("cats"))
+    assert traversal == retriever.retrieve("cats", mode="tree_traversal")
 
 
 def test_persist_and_from_persist_dir(tmp_path: Path) -> None:
