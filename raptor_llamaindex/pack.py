@@ -229,15 +229,22 @@ class RaptorRetriever(BaseRetriever):
         if vector_store is not None:
             if not _supports_storage_context():
                 raise _unsupported_vector_store()
+            reconnect = getattr(RaptorIndex, "from_vector_store", None)
+            if not documents and reconnect is not None:
+                # The pack's "re-connect": pass the vector store again with no documents.
+                return reconnect(vector_store, embed_model=embed_model, llm=llm)
+            if not documents:
+                msg = (
+                    "re-connecting to a vector store also needs the index's persist "
+                    "directory (the tree's structure is kept there, not in the store): after "
+                    "building, call retriever.persist(persist_dir); later use "
+                    "RaptorRetriever.from_persist_dir(persist_dir, embed_model=..., "
+                    "vector_store=vector_store)"
+                )
+                raise InvalidParameterError(msg)
             from llama_index.core import StorageContext
 
             build["storage_context"] = StorageContext.from_defaults(vector_store=vector_store)
-            if not documents:
-                # The pack's "re-connect": pass the vector store again with no documents.
-                reconnect = getattr(RaptorIndex, "from_vector_store", None)
-                if reconnect is None:
-                    raise _unsupported_vector_store()
-                return reconnect(vector_store, embed_model=embed_model, llm=llm)
         return RaptorIndex.from_documents(
             list(documents),
             embed_model=embed_model,
@@ -300,8 +307,12 @@ class RaptorRetriever(BaseRetriever):
         await self.index.ainsert_nodes(nodes)
 
     def persist(self, persist_dir: str | os.PathLike[str]) -> None:
-        """Save the tree and its documents (:meth:`RaptorIndex.persist`)."""
-        self.index.persist(persist_dir)
+        """Save the index, through its ``storage_context`` where it has one (as the pack did)."""
+        storage_context = getattr(self.index, "storage_context", None)
+        if storage_context is not None:
+            storage_context.persist(persist_dir=os.fspath(persist_dir))
+        else:
+            self.index.persist(persist_dir)
 
     @classmethod
     def from_persist_dir(
@@ -310,8 +321,28 @@ class RaptorRetriever(BaseRetriever):
         embed_model: BaseEmbedding | Any | None = None,
         **kwargs: Any,
     ) -> RaptorRetriever:
-        """Load a retriever saved by :meth:`persist`; ``kwargs`` as for the constructor."""
-        index = RaptorIndex.load(persist_dir, embed_model=embed_model, llm=kwargs.get("llm"))
+        """Load a retriever saved by :meth:`persist`; ``kwargs`` as for the constructor.
+
+        ``vector_store=`` reopens an index whose nodes live in that store (the store is
+        passed again, as LlamaIndex's ``StorageContext.from_defaults`` expects).
+        """
+        vector_store = kwargs.pop("vector_store", None)
+        llm = kwargs.get("llm")
+        if _supports_storage_context():
+            from llama_index.core import StorageContext, load_index_from_storage
+
+            storage_context = StorageContext.from_defaults(
+                persist_dir=os.fspath(persist_dir), vector_store=vector_store
+            )
+            loaded = load_index_from_storage(storage_context, embed_model=embed_model, llm=llm)
+            if not isinstance(loaded, RaptorIndex):
+                msg = f"{persist_dir} holds a {type(loaded).__name__}, not a RaptorIndex"
+                raise InvalidParameterError(msg)
+            index = loaded
+        elif vector_store is not None:
+            raise _unsupported_vector_store()
+        else:
+            index = RaptorIndex.load(persist_dir, embed_model=embed_model, llm=llm)
         return cls([], existing_index=index, **kwargs)
 
 

@@ -169,10 +169,16 @@ def test_vector_store_unsupported_says_so() -> None:
     reason="needs RaptorIndex.from_documents(storage_context=...) (issue 12, branch li)",
     strict=False,
 )
-def test_vector_store_documented_usage() -> None:
+def test_vector_store_documented_usage(tmp_path: Path) -> None:
     store = SimpleVectorStore()
     pack = make_pack(vector_store=store)
     assert len(pack.run("cats")) == 2
-    # "To re-connect, just pass in the vector store again and an empty list of documents."
-    retriever = RaptorRetriever([], embed_model=FakeEmbedder(16), vector_store=store)
+    assert store.data.embedding_dict  # the tree went into the user's store
+    pack.retriever.persist(tmp_path)
+    # The pack re-connected with the store alone; the tree's structure needs the directory.
+    with pytest.raises(InvalidParameterError, match="persist directory"):
+        RaptorRetriever([], embed_model=FakeEmbedder(16), vector_store=store)
+    retriever = RaptorRetriever.from_persist_dir(
+        tmp_path, embed_model=FakeEmbedder(16), vector_store=store
+    )
     assert len(retriever.retrieve("cats", mode="tree_traversal")) > 0
