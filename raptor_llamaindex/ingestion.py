@@ -170,6 +170,9 @@ def node_to_document(node: BaseNode) -> Document:
     source = node.ref_doc_id or node.node_id
     record: dict[str, Any] = {
         "version": _RECORD_VERSION,
+        # The id makes every record unique, so a summary never inherits one as metadata
+        # that all its leaves share.
+        "id": node.node_id,
         "source": source,
         "excluded_embed_metadata_keys": list(node.excluded_embed_metadata_keys),
         "excluded_llm_metadata_keys": list(node.excluded_llm_metadata_keys),

@@ -374,3 +374,16 @@ def test_insert_runs_the_index_transformations_like_base_index() -> None:
     asyncio.run(index.ainsert(Document(text=TEXTS["cats"] * 3, id_="c")))
     c_leaves = [leaf for leaf in index.tree.leaves if leaf.doc_id == "c"]
     assert c_leaves and all(leaf.span is None for leaf in c_leaves)  # the splitter's nodes
+
+
+def test_summaries_never_carry_a_node_record() -> None:
+    # Same source, no links, no offsets: records differ only by the node id.
+    nodes = [TextNode(id_=f"n{i}", text=text) for i, text in enumerate(TEXTS.values())]
+    for node in nodes:
+        node.relationships[NodeRelationship.SOURCE] = Document(
+            text="x", id_="src"
+        ).as_related_node_info()
+    index = RaptorIndex.from_documents(nodes, embed_model=FakeEmbedder(16), **fast())
+    summaries = [n for n in index.tree.nodes if n.layer > 0]
+    assert summaries
+    assert all(LLAMAINDEX_NODE_KEY not in s.metadata for s in summaries)
