@@ -43,11 +43,20 @@ DEFAULT_SUMMARY_PROMPT = (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Document:
-    """A text to index, with a stable id and user metadata (JSON-serialisable)."""
+    """A text to index, with a stable id and user metadata (JSON-serialisable).
+
+    ``chunk_of`` marks a text that is already one chunk, split by another tool (a
+    LlamaIndex node parser, a LangChain text splitter): the builder then makes it exactly
+    one leaf, never splits it, and names the leaf ``doc_id`` (so the chunk keeps the id
+    its tool gave it); ``chunk_of`` is the id of the document it was cut from, recorded as
+    the leaf's ``doc_id``.  Such a leaf may be longer than ``chunk_max_tokens``: see
+    :func:`raptor_core.build.leaves.document_leaves` for what the limits then mean.
+    """
 
     text: str
     doc_id: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    chunk_of: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

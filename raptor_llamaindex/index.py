@@ -28,12 +28,19 @@ from llama_index.core.base.llms.base import BaseLLM
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.chat_engine.types import BaseChatEngine, ChatMode
 from llama_index.core.llms import LLM as LlamaIndexLLMBase
-from llama_index.core.schema import BaseNode, MetadataMode
+from llama_index.core.schema import BaseNode, TransformComponent
 
-from raptor_core.build.builder import ProgressCallback, TreeBuilder, describe, to_documents
+from raptor_core.build.builder import ProgressCallback, TreeBuilder, describe
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 from raptor_core.tree import Tree
 from raptor_core.types import LLM, Document, Embedder, Summarizer
+from raptor_llamaindex.ingestion import (
+    abuild_tree,
+    arun_ingestion,
+    build_tree,
+    run_ingestion,
+    to_core_documents,
+)
 from raptor_llamaindex.models import resolve_embedder, resolve_summarizer
 from raptor_llamaindex.retriever import (
     BUILDER_PARAMS,
@@ -45,7 +52,7 @@ from raptor_llamaindex.retriever import (
     strategy_param_names,
 )
 
-__all__ = ["RaptorIndex"]
+__all__ = ["RaptorIndex", "to_core_documents"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,36 +69,6 @@ _RETRIEVER_ARGS = frozenset(
 #: Keywords LlamaIndex hands to both the retriever and the engine (as ``BaseIndex`` does).
 _SHARED_ARGS = frozenset({"callback_manager", "verbose"})
 _RETRIEVER_ONLY_ARGS = frozenset({"objects", "object_map"})
-
-
-def to_core_documents(items: Iterable[Any]) -> list[Document]:
-    """Convert LlamaIndex documents or nodes (or raptor_core inputs) to core documents.
-
-    A LlamaIndex ``Document`` keeps its ``doc_id`` and metadata.  A node (``TextNode`` from a
-    node parser) becomes one source text with the node id as ``doc_id`` and its document's id
-    in ``metadata["ref_doc_id"]``; RAPTOR chunks it again if it exceeds ``chunk_max_tokens``.
-    Strings, ``raptor_core.Document`` and mappings pass through to :func:`to_documents`.
-
-    Raises:
-        InvalidInputError: a document is empty, binary, has non-JSON metadata or a duplicate id.
-    """
-    converted: list[Any] = []
-    for item in items:
-        if isinstance(item, BaseNode):
-            metadata = dict(item.metadata)
-            ref = item.ref_doc_id
-            if ref is not None and ref != item.node_id:
-                metadata.setdefault("ref_doc_id", ref)
-            converted.append(
-                Document(
-                    text=item.get_content(metadata_mode=MetadataMode.NONE),
-                    doc_id=item.node_id,
-                    metadata=metadata,
-                )
-            )
-        else:
-            converted.append(item)
-    return to_documents(converted)
 
 
 def excluded_metadata_keys(items: Iterable[Any]) -> dict[str, list[str]]:
@@ -115,19 +92,34 @@ def _documents_from_tree(tree: Tree) -> list[Document]:
     # leaf chunks, in span order.  Whitespace between chunks is normalised to one space.
     texts: dict[str, list[tuple[int, str]]] = {}
     metadata: dict[str, dict[str, Any]] = {}
+    chunks: list[Document] = []
     for leaf in tree.leaves:
         if leaf.doc_id is None:
+            continue
+        if leaf.span is None:
+            # A pre-split chunk (a LlamaIndex node): its own leaf again, never rejoined.
+            chunks.append(
+                Document(
+                    text=leaf.text,
+                    doc_id=leaf.id,
+                    metadata=dict(leaf.metadata),
+                    chunk_of=leaf.doc_id,
+                )
+            )
             continue
         start = leaf.span[0] if leaf.span is not None else 0
         texts.setdefault(leaf.doc_id, []).append((start, leaf.text))
         metadata.setdefault(leaf.doc_id, dict(leaf.metadata))
     return [
-        Document(
-            text=" ".join(t for _, t in sorted(parts, key=lambda p: p[0])),
-            doc_id=d,
-            metadata=metadata[d],
-        )
-        for d, parts in texts.items()
+        *(
+            Document(
+                text=" ".join(t for _, t in sorted(parts, key=lambda p: p[0])),
+                doc_id=d,
+                metadata=metadata[d],
+            )
+            for d, parts in texts.items()
+        ),
+        *chunks,
     ]
 
 
@@ -231,6 +223,9 @@ class RaptorIndex:
             )
     """
 
+    #: ``from_documents(transformations=...)``, applied again by :meth:`insert` (not saved).
+    _transformations: Any = None
+
     def __init__(
         self,
         tree: Tree,
@@ -297,13 +292,18 @@ class RaptorIndex:
             summarizer: a raptor_core ``Summarizer`` that replaces the one made from ``llm``.
             show_progress: draw progress bars (tqdm) for the build stages.
             callback_manager: LlamaIndex callbacks for retrievers and engines.
-            **kwargs: ``TreeBuilder`` parameters and retrieval defaults (see the class docs).
+            **kwargs: ``TreeBuilder`` parameters and retrieval defaults (see the class docs);
+                ``transformations=`` (node parsers, extractors, or an ``IngestionPipeline``)
+                are run first and their nodes become the leaves as they are (also a node
+                parser passed as ``chunker=``); see :mod:`raptor_llamaindex.ingestion`.
 
         Raises:
             InvalidInputError: an empty, binary or duplicate document.
             InvalidParameterError: an unknown or out-of-range parameter.
         """
+        transformations = _transformations(kwargs)
         builder_kwargs, retriever_kwargs = cls._split_kwargs(kwargs)
+        documents = run_ingestion(documents, transformations, show_progress=show_progress)
         docs = to_core_documents(documents)
         retriever_kwargs = {**excluded_metadata_keys(documents), **retriever_kwargs}
         embedder = resolve_embedder(embed_model)
@@ -317,6 +317,7 @@ class RaptorIndex:
             builder_kwargs=builder_kwargs,
             callback_manager=callback_manager,
         )
+        index._transformations = transformations
         index._tree = index._build(docs, show_progress=show_progress)
         index._documents = docs
         return index
@@ -334,7 +335,9 @@ class RaptorIndex:
         **kwargs: Any,
     ) -> RaptorIndex:
         """Async :meth:`from_documents`: uses the async model APIs; safe in a running loop."""
+        transformations = _transformations(kwargs)
         builder_kwargs, retriever_kwargs = cls._split_kwargs(kwargs)
+        documents = await arun_ingestion(documents, transformations, show_progress=show_progress)
         docs = to_core_documents(documents)
         retriever_kwargs = {**excluded_metadata_keys(documents), **retriever_kwargs}
         embedder = resolve_embedder(embed_model)
@@ -348,6 +351,7 @@ class RaptorIndex:
             builder_kwargs=builder_kwargs,
             callback_manager=callback_manager,
         )
+        index._transformations = transformations
         index._tree = await index._abuild(docs, show_progress=show_progress)
         index._documents = docs
         return index
@@ -390,7 +394,7 @@ class RaptorIndex:
             return _empty_tree(self._embedder)
         progress = _TqdmProgress() if show_progress else None
         try:
-            return self._builder(progress).build(docs)
+            return build_tree(self._builder(progress), docs)
         finally:
             if progress is not None:
                 progress.close()
@@ -400,7 +404,7 @@ class RaptorIndex:
             return _empty_tree(self._embedder)
         progress = _TqdmProgress() if show_progress else None
         try:
-            return await self._builder(progress).abuild(docs)
+            return await abuild_tree(self._builder(progress), docs)
         finally:
             if progress is not None:
                 progress.close()
@@ -426,7 +430,8 @@ class RaptorIndex:
     @property
     def ref_doc_ids(self) -> tuple[str, ...]:
         """Ids of the indexed documents."""
-        return tuple(d.doc_id for d in self.documents)
+        # A pre-split node (chunk_of set) belongs to its source document.
+        return tuple(dict.fromkeys(d.chunk_of or d.doc_id for d in self.documents))
 
     @property
     def retriever_kwargs(self) -> dict[str, Any]:
@@ -446,7 +451,8 @@ class RaptorIndex:
         Raises:
             InvalidInputError: the document's id is already indexed, or it is empty/binary.
         """
-        self.insert_nodes([document])
+        # As BaseIndex.insert: a document goes through the index's transformations first.
+        self.insert_nodes(run_ingestion([document], self._transformations))
 
     def _merge_excluded_keys(self, items: Iterable[Any]) -> None:
         for key, names in excluded_metadata_keys(items).items():
@@ -461,7 +467,7 @@ class RaptorIndex:
 
     async def ainsert(self, document: Any, **_: Any) -> None:
         """Async :meth:`insert`."""
-        await self.ainsert_nodes([document])
+        await self.ainsert_nodes(await arun_ingestion([document], self._transformations))
 
     async def ainsert_nodes(self, nodes: Sequence[Any], **_: Any) -> None:
         """Async :meth:`insert_nodes`."""
@@ -477,7 +483,7 @@ class RaptorIndex:
             InvalidInputError: no document has this id.
         """
         current = self.documents
-        kept = [d for d in current if d.doc_id != ref_doc_id]
+        kept = [d for d in current if (d.chunk_of or d.doc_id) != ref_doc_id]
         if len(kept) == len(current):
             msg = f"no document with id {ref_doc_id!r} in this index"
             raise InvalidInputError(msg)
@@ -650,11 +656,24 @@ class RaptorIndex:
             embed_model=embed_model,
             llm=llm,
             summarizer=summarizer,
-            documents=None if documents is None else to_documents(documents),
+            documents=None if documents is None else to_core_documents(documents),
             retriever_kwargs=saved.get("retriever") or {},
             builder_kwargs={**(saved.get("builder") or {}), **builder_kwargs},
             callback_manager=callback_manager,
         )
+
+
+def _transformations(kwargs: dict[str, Any]) -> Any:
+    """Pop LlamaIndex ``transformations`` (or a node parser passed as ``chunker``) from kwargs."""
+    transformations = kwargs.pop("transformations", None)
+    chunker = kwargs.get("chunker")
+    if isinstance(chunker, TransformComponent):
+        # A LlamaIndex node parser is not a raptor_core Chunker: run it as a transformation.
+        if transformations is not None:
+            msg = "pass the node parser either as chunker= or in transformations=, not both"
+            raise InvalidParameterError(msg)
+        transformations = [kwargs.pop("chunker")]
+    return transformations
 
 
 def _nest_retriever_args(args: Mapping[str, Any]) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from raptor_core.retrieval.registry import STRATEGIES, accepted_params, make_ret
 from raptor_core.store._format import write_tree
 from raptor_core.tree import Tree
 from raptor_core.types import LLM, Embedder
+from raptor_llamaindex.ingestion import pop_node_fields
 from raptor_llamaindex.models import resolve_embedder, resolve_llm
 
 if TYPE_CHECKING:
@@ -90,6 +91,8 @@ def hit_to_node(
     """
     node = hit.node
     metadata: dict[str, Any] = dict(node.metadata) if node.is_leaf else {}
+    # A leaf that was a LlamaIndex node gets its node's fields back (see ingestion.py).
+    fields = pop_node_fields(metadata) if node.is_leaf else None
     metadata["raptor_layer"] = node.layer
     metadata["raptor_doc_ids"] = list(node.doc_ids)
     metadata["raptor_source"] = hit.source
@@ -109,15 +112,37 @@ def hit_to_node(
     if hit.leaves:
         metadata["raptor_leaves"] = list(hit.leaves)
     hidden = [k for k in RAPTOR_METADATA_KEYS if k in metadata]
+    start = node.span[0] if node.span is not None else None
+    end = node.span[1] if node.span is not None else None
+    extra: dict[str, Any] = {}
+    if fields is not None:
+        excluded_embed_metadata_keys = [
+            *fields.excluded_embed_metadata_keys,
+            *excluded_embed_metadata_keys,
+        ]
+        excluded_llm_metadata_keys = [
+            *fields.excluded_llm_metadata_keys,
+            *excluded_llm_metadata_keys,
+        ]
+        if len(hit.leaves) > 1:
+            # A passage of several nodes: only their shared document still applies.
+            source = fields.relationships.get(NodeRelationship.SOURCE)
+            if source is not None:
+                relationships[NodeRelationship.SOURCE] = source
+        else:
+            relationships = {**relationships, **fields.relationships}
+            start, end = fields.start_char_idx, fields.end_char_idx
+            extra = dict(fields.templates)
     text_node = TextNode(
         id_=node.id,
         text=node.text,
         metadata=metadata,
-        excluded_embed_metadata_keys=[*hidden, *excluded_embed_metadata_keys],
-        excluded_llm_metadata_keys=[*hidden, *excluded_llm_metadata_keys],
+        excluded_embed_metadata_keys=list(dict.fromkeys([*hidden, *excluded_embed_metadata_keys])),
+        excluded_llm_metadata_keys=list(dict.fromkeys([*hidden, *excluded_llm_metadata_keys])),
         relationships=relationships,
-        start_char_idx=node.span[0] if node.span is not None else None,
-        end_char_idx=node.span[1] if node.span is not None else None,
+        start_char_idx=start,
+        end_char_idx=end,
+        **extra,
     )
     return NodeWithScore(node=text_node, score=hit.score)
 
@@ -269,7 +294,7 @@ class RaptorRetriever(BaseRetriever):
         """Build a tree over ``nodes`` or ``documents`` (or take ``tree``) and wrap it.
 
         Args:
-            nodes: LlamaIndex nodes; each becomes one source text of the tree.
+            nodes: LlamaIndex nodes; each is one leaf of the tree, kept whole with its id.
             documents: LlamaIndex ``Document`` objects.
             tree: an existing tree instead of nodes/documents.
             embed_model: embeds chunks, summaries and queries (see the class docstring).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import math
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import NDArray
 
-from raptor_core.build.ids import leaf_id, summary_id
+from raptor_core.build.ids import summary_id
 from raptor_core.exceptions import (
     EmbeddingError,
     InvalidInputError,
@@ -105,6 +106,11 @@ def to_documents(documents: Iterable[str | Document | Mapping[str, Any]]) -> lis
         _check_text(doc)
         if isinstance(doc.doc_id, str) and not _is_unicode(doc.doc_id):
             msg = f"document #{i}: doc_id {doc.doc_id!a} is not Unicode text (a lone surrogate)"
+            raise InvalidInputError(msg)
+        if doc.chunk_of is not None and (
+            not isinstance(doc.chunk_of, str) or not doc.chunk_of or not _is_unicode(doc.chunk_of)
+        ):
+            msg = f"document #{i}: chunk_of must be a non-empty str (the source document id), got {doc.chunk_of!a}"
             raise InvalidInputError(msg)
         if doc.doc_id in seen:
             msg = f"duplicate doc_id {doc.doc_id!r}: give every document a unique id"
@@ -357,8 +363,11 @@ class TreeBuilder:
             from raptor_core.build.chunking import SentenceChunker
 
             chunker = SentenceChunker(tokenizer, max_tokens=self.chunk_max_tokens)
-        chunks = [c for doc in docs for c in chunker.split(doc.text)]
-        tokens = [c.token_count or count_tokens(tokenizer, c.text) for c in chunks]
+        from raptor_core.build.leaves import document_leaves
+
+        tokens = [
+            leaf.token_count for doc in docs for leaf in document_leaves(doc, chunker, tokenizer)
+        ]
         overhead = 0  # prompt tokens sent with every cluster (template, system message)
         render = getattr(self.summarizer, "render", None)
         if callable(render):
@@ -447,31 +456,13 @@ class _BuildRun:
 
     # -- stage: chunk --------------------------------------------------------------------------
     def make_leaves(self) -> None:
-        from raptor_core.tokenizers import count_tokens
+        from raptor_core.build.leaves import document_leaves, warn_long_chunks
 
         start = time.perf_counter()
         for d, doc in enumerate(self.docs):
-            chunks = self.chunker.split(doc.text)
-            if not chunks:
-                msg = f"document {doc.doc_id!r} produced no chunks (no text left after splitting)"
-                raise InvalidInputError(msg)
-            for chunk in chunks:
-                text = chunk.text
-                self.layer_nodes.append(
-                    Node(
-                        id=leaf_id(doc.doc_id, chunk.start, chunk.end, text),
-                        text=text,
-                        layer=0,
-                        token_count=chunk.token_count
-                        if chunk.token_count
-                        else count_tokens(self.tokenizer, text),
-                        doc_id=doc.doc_id,
-                        span=(chunk.start, chunk.end),
-                        doc_ids=(doc.doc_id,),
-                        metadata=dict(doc.metadata),
-                    )
-                )
+            self.layer_nodes.extend(document_leaves(doc, self.chunker, self.tokenizer))
             self._progress("chunk", d + 1, len(self.docs))
+        warn_long_chunks(self.layer_nodes, self.b.cluster_max_tokens)
         self.timings["chunk"] += time.perf_counter() - start
 
     # -- stage: embed --------------------------------------------------------------------------
@@ -697,7 +688,12 @@ class _BuildRun:
                     raise
 
             with ThreadPoolExecutor(max_workers=min(self.b.max_concurrency, len(texts))) as pool:
-                futures = [pool.submit(one, i) for i in range(len(texts))]
+                # Each task runs in a copy of the caller's context, as asyncio.to_thread does:
+                # tracing spans (LlamaIndex instrumentation, OpenTelemetry) kept in
+                # contextvars then see the summariser's LLM calls inside the build's span.
+                futures = [
+                    pool.submit(contextvars.copy_context().run, one, i) for i in range(len(texts))
+                ]
                 try:
                     for done, (i, fut) in enumerate(
                         zip(range(len(texts)), futures, strict=True), 1

@@ -509,10 +509,13 @@ def test_index_builds_from_nodes() -> None:
         text="x", id_="parent"
     ).as_related_node_info()
     index = RaptorIndex.from_documents(nodes, embed_model=FakeEmbedder(32), **fast_options())
-    assert set(index.tree.doc_ids) == {"node-cats", "node-rockets", "node-bread"}
-    leaves = {leaf.doc_id: leaf for leaf in index.tree.leaves}
-    assert leaves["node-rockets"].metadata["ref_doc_id"] == "parent"
-    assert "ref_doc_id" not in leaves["node-cats"].metadata
+    # Each node is one leaf named after it, filed under its source document (issue 14.2).
+    assert set(index.tree.doc_ids) == {"node-cats", "parent", "node-bread"}
+    leaves = {leaf.id: leaf for leaf in index.tree.leaves}
+    assert set(leaves) == {"node-cats", "node-rockets", "node-bread"}
+    assert leaves["node-rockets"].doc_id == "parent"
+    assert leaves["node-cats"].doc_id == "node-cats"
+    assert leaves["node-rockets"].metadata["topic"] == "rockets"
 
 
 def test_retriever_from_defaults() -> None:

@@ -1,0 +1,371 @@
+"""LlamaIndex ingestion: the user's node parsers and pipelines decide the leaves of the tree.
+
+``RaptorIndex.from_documents(docs, transformations=[SentenceSplitter(chunk_size=256), ...])``
+runs the transformations exactly as ``VectorStoreIndex`` does (``run_transformations``, or
+an ``IngestionPipeline``'s ``run``) and the nodes that come out become the tree's leaves as
+they are: never chunked again.  Nodes passed directly (``RaptorIndex.from_documents(nodes)``,
+``insert_nodes``) are leaves too.  A LlamaIndex ``Document`` without transformations is still
+split by RAPTOR's own chunker (the paper's 100-token chunks of whole sentences).
+
+What a node keeps, in the tree and in every ``NodeWithScore`` retrieved from it:
+
+* its id: the leaf's id **is** the node's id (``node.node_id``; LlamaIndex assigns a UUID to
+  nodes made without one), so evaluation sets keyed by node id keep working;
+* its metadata, unchanged, and its ``excluded_embed_metadata_keys`` /
+  ``excluded_llm_metadata_keys``;
+* its relationships (``SOURCE``, ``PREVIOUS``, ``NEXT``, ``PARENT``, ``CHILD``) and
+  ``start_char_idx`` / ``end_char_idx``;
+* its source document: the leaf's ``doc_id`` is the node's ``ref_doc_id`` (the node's own id
+  when it has no ``SOURCE``), so summaries list source documents in ``raptor_doc_ids`` and
+  ``delete_ref_doc(document_id)`` removes all of a document's nodes.
+
+The fields that raptor_core has no place for travel in one metadata entry,
+:data:`LLAMAINDEX_NODE_KEY`, a JSON string (vector stores such as Chroma take strings, not
+nested objects).  :func:`hit_to_node <raptor_llamaindex.retriever.hit_to_node>` takes it out
+again, so it never reaches a prompt or a user.
+
+The leaf is embedded from the node's text alone (``MetadataMode.NONE``), as RAPTOR embeds
+chunks; summaries are written from the texts alone too.  A node's ``embedding``, if a
+transformation set one, is not reused: the tree embeds every node with its own model so that
+leaves and summaries share one vector space.
+
+Builds run inside a LlamaIndex instrumentation span (:func:`build_tree`), and the LlamaIndex
+models wrapped by :mod:`raptor_llamaindex.models` emit their own embedding and LLM events
+within it, as they do in the framework's own indices.  raptor_core models (the default
+MiniLM embedder, the extractive summariser) call no LlamaIndex model and report no events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import string
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from llama_index.core.ingestion import IngestionPipeline, arun_transformations, run_transformations
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.schema import (
+    BaseNode,
+    MetadataMode,
+    NodeRelationship,
+    RelatedNodeInfo,
+    TextNode,
+    TransformComponent,
+)
+from llama_index.core.schema import Document as LlamaIndexDocument
+
+from raptor_core.build.builder import TreeBuilder, to_documents
+from raptor_core.exceptions import InvalidParameterError
+from raptor_core.tree import Tree
+from raptor_core.types import Document
+
+__all__ = [
+    "LLAMAINDEX_NODE_KEY",
+    "NodeFields",
+    "abuild_tree",
+    "arun_ingestion",
+    "build_tree",
+    "node_to_document",
+    "pop_node_fields",
+    "run_ingestion",
+    "to_core_documents",
+]
+
+logger = logging.getLogger(__name__)
+dispatcher = get_dispatcher(__name__)
+
+#: Leaf metadata entry (a JSON string) holding what a LlamaIndex node keeps beyond its text
+#: and metadata.  Taken out again when a leaf is returned as a ``NodeWithScore``.
+LLAMAINDEX_NODE_KEY = "raptor_llamaindex_node"
+
+_RECORD_VERSION = 1
+_TEMPLATE_FIELDS = ("text_template", "metadata_template", "metadata_separator")
+_TEXT_NODE_DEFAULTS = {name: TextNode.model_fields[name].default for name in _TEMPLATE_FIELDS}
+
+
+# -- running the user's transformations ---------------------------------------------------------
+def _check_transformations(transformations: object) -> IngestionPipeline | list[TransformComponent]:
+    if isinstance(transformations, IngestionPipeline):
+        return transformations
+    items = (
+        [transformations]
+        if isinstance(transformations, TransformComponent)
+        else list(transformations)
+        if isinstance(transformations, Iterable) and not isinstance(transformations, str)
+        else None
+    )
+    if items is None or not all(isinstance(t, TransformComponent) for t in items):
+        msg = (
+            "transformations must be a list of LlamaIndex transformations (node parsers such "
+            "as SentenceSplitter, metadata extractors, ...) or an IngestionPipeline, got "
+            f"{transformations!r:.200}"
+        )
+        raise InvalidParameterError(msg)
+    return items
+
+
+def run_ingestion(
+    documents: Sequence[Any], transformations: object, *, show_progress: bool = False
+) -> list[Any]:
+    """Run ``transformations`` over ``documents`` as ``VectorStoreIndex.from_documents`` does.
+
+    Args:
+        documents: LlamaIndex documents or nodes.
+        transformations: a list of ``TransformComponent`` (a single one is accepted), an
+            ``IngestionPipeline`` (its own transformations, cache and docstore apply), or
+            None to return ``documents`` unchanged.
+        show_progress: LlamaIndex's progress bars.
+
+    Returns:
+        The nodes that become the tree's leaves.  The input list is not modified.
+
+    Raises:
+        InvalidParameterError: ``transformations`` holds something else.
+    """
+    if transformations is None:
+        return list(documents)
+    checked = _check_transformations(transformations)
+    if isinstance(checked, IngestionPipeline):
+        return list(checked.run(documents=list(documents), show_progress=show_progress))
+    return list(
+        run_transformations(list(documents), checked, in_place=False, show_progress=show_progress)
+    )
+
+
+async def arun_ingestion(
+    documents: Sequence[Any], transformations: object, *, show_progress: bool = False
+) -> list[Any]:
+    """Async :func:`run_ingestion` (``arun_transformations`` / ``IngestionPipeline.arun``)."""
+    if transformations is None:
+        return list(documents)
+    checked = _check_transformations(transformations)
+    if isinstance(checked, IngestionPipeline):
+        return list(await checked.arun(documents=list(documents), show_progress=show_progress))
+    return list(
+        await arun_transformations(
+            list(documents), checked, in_place=False, show_progress=show_progress
+        )
+    )
+
+
+# -- nodes to leaves ------------------------------------------------------------------------------
+def _relationships_json(node: BaseNode) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for relation, info in node.relationships.items():
+        if isinstance(info, list):
+            out[str(relation.value)] = [i.model_dump(mode="json") for i in info]
+        else:
+            out[str(relation.value)] = info.model_dump(mode="json")
+    return out
+
+
+def node_to_document(node: BaseNode) -> Document:
+    """A pre-split core document for one LlamaIndex node (one leaf; see the module docs).
+
+    Raises:
+        InvalidInputError: from the core's checks later (empty text, non-JSON metadata).
+    """
+    source = node.ref_doc_id or node.node_id
+    record: dict[str, Any] = {
+        "version": _RECORD_VERSION,
+        # The id makes every record unique, so a summary never inherits one as metadata
+        # that all its leaves share.
+        "id": node.node_id,
+        "source": source,
+        "excluded_embed_metadata_keys": list(node.excluded_embed_metadata_keys),
+        "excluded_llm_metadata_keys": list(node.excluded_llm_metadata_keys),
+        "relationships": _relationships_json(node),
+    }
+    if isinstance(node, TextNode):
+        record["start_char_idx"] = node.start_char_idx
+        record["end_char_idx"] = node.end_char_idx
+        for name in _TEMPLATE_FIELDS:
+            if getattr(node, name) != _TEXT_NODE_DEFAULTS[name]:
+                record[name] = getattr(node, name)
+    metadata = dict(node.metadata)
+    metadata[LLAMAINDEX_NODE_KEY] = json.dumps(record, ensure_ascii=False, default=str)
+    return Document(
+        text=node.get_content(metadata_mode=MetadataMode.NONE),
+        doc_id=node.node_id,
+        metadata=metadata,
+        chunk_of=source,
+    )
+
+
+def _whole_document(document: LlamaIndexDocument) -> Document:
+    # A LlamaIndex Document without transformations: RAPTOR's chunker splits it.
+    metadata = dict(document.metadata)
+    ref = document.ref_doc_id
+    if ref is not None and ref != document.node_id:
+        metadata.setdefault("ref_doc_id", ref)
+    return Document(
+        text=document.get_content(metadata_mode=MetadataMode.NONE),
+        doc_id=document.node_id,
+        metadata=metadata,
+    )
+
+
+def _source_of(metadata: Mapping[str, Any]) -> str | None:
+    raw = metadata.get(LLAMAINDEX_NODE_KEY)
+    if not isinstance(raw, str):
+        return None
+    try:
+        record = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    source = record.get("source") if isinstance(record, dict) else None
+    return source if isinstance(source, str) and source else None
+
+
+def to_core_documents(items: Iterable[Any]) -> list[Document]:
+    """Convert LlamaIndex documents and nodes (or raptor_core inputs) to core documents.
+
+    A LlamaIndex ``Document`` is a whole text for RAPTOR's chunker; any other node (a
+    ``TextNode`` from a node parser) is one pre-split leaf (:func:`node_to_document`).
+    Core documents that carry a node record (read back from a persisted index) are marked
+    pre-split again.  Strings, core documents and mappings pass through to
+    :func:`raptor_core.build.builder.to_documents`.
+
+    Raises:
+        InvalidInputError: a document is empty, binary, has non-JSON metadata or a duplicate id.
+    """
+    converted: list[Any] = []
+    for item in items:
+        if isinstance(item, LlamaIndexDocument):
+            converted.append(_whole_document(item))
+        elif isinstance(item, BaseNode):
+            converted.append(node_to_document(item))
+        else:
+            converted.append(item)
+    out = []
+    for doc in to_documents(converted):
+        source = None if doc.chunk_of is not None else _source_of(doc.metadata)
+        out.append(doc if source is None else dataclasses.replace(doc, chunk_of=source))
+    return out
+
+
+# -- leaves back to nodes -------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class NodeFields:
+    """What :func:`pop_node_fields` restores onto a retrieved ``TextNode``."""
+
+    excluded_embed_metadata_keys: tuple[str, ...] = ()
+    excluded_llm_metadata_keys: tuple[str, ...] = ()
+    relationships: Mapping[NodeRelationship, RelatedNodeInfo | list[RelatedNodeInfo]] = (
+        dataclasses.field(default_factory=dict)
+    )
+    start_char_idx: int | None = None
+    end_char_idx: int | None = None
+    templates: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _strings(value: object) -> tuple[str, ...]:
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    return ()
+
+
+def _related(value: object) -> RelatedNodeInfo | None:
+    # Built field by field: the record is data (a tree file may come from anyone), so only
+    # these plain fields are read, never a class name.
+    if not isinstance(value, dict) or not isinstance(value.get("node_id"), str):
+        return None
+    metadata = value.get("metadata")
+    hash_ = value.get("hash")
+    try:
+        return RelatedNodeInfo(
+            node_id=value["node_id"],
+            node_type=value.get("node_type"),
+            metadata=metadata if isinstance(metadata, dict) else {},
+            hash=hash_ if isinstance(hash_, str) else None,
+        )
+    except ValueError:  # pydantic's ValidationError: an unknown node_type
+        return None
+
+
+def _relationships(value: object) -> dict[NodeRelationship, Any]:
+    out: dict[NodeRelationship, Any] = {}
+    if not isinstance(value, dict):
+        return out
+    for key, raw in value.items():
+        try:
+            relation = NodeRelationship(key)
+        except ValueError:
+            continue
+        if isinstance(raw, list):
+            infos = [i for i in (_related(r) for r in raw) if i is not None]
+            if infos:
+                out[relation] = infos
+        else:
+            info = _related(raw)
+            if info is not None:
+                out[relation] = info
+    return out
+
+
+#: The placeholders each template may use: LlamaIndex fills them with str.format, so a
+#: template read from a file must not reach attributes or items ("{content.__class__}").
+_TEMPLATE_PLACEHOLDERS = {
+    "text_template": frozenset({"content", "metadata_str"}),
+    "metadata_template": frozenset({"key", "value"}),
+    "metadata_separator": frozenset(),
+}
+
+
+def _safe_template(name: str, value: object) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
+    except ValueError:  # unbalanced braces
+        return False
+    return all(f in _TEMPLATE_PLACEHOLDERS[name] for f in fields)
+
+
+def _index(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def pop_node_fields(metadata: dict[str, Any]) -> NodeFields | None:
+    """Remove the node record from a leaf's ``metadata`` (in place) and parse it.
+
+    Returns None when the leaf was not a LlamaIndex node.  A damaged record is dropped
+    with a warning (the text and metadata are still returned).
+    """
+    raw = metadata.pop(LLAMAINDEX_NODE_KEY, None)
+    if raw is None:
+        return None
+    try:
+        record = json.loads(raw) if isinstance(raw, str) else None
+    except json.JSONDecodeError:
+        record = None
+    if not isinstance(record, dict):
+        logger.warning("ignoring a damaged %s entry in a leaf's metadata", LLAMAINDEX_NODE_KEY)
+        return None
+    return NodeFields(
+        excluded_embed_metadata_keys=_strings(record.get("excluded_embed_metadata_keys")),
+        excluded_llm_metadata_keys=_strings(record.get("excluded_llm_metadata_keys")),
+        relationships=_relationships(record.get("relationships")),
+        start_char_idx=_index(record.get("start_char_idx")),
+        end_char_idx=_index(record.get("end_char_idx")),
+        templates={
+            name: record[name]
+            for name in _TEMPLATE_FIELDS
+            if name in record and _safe_template(name, record[name])
+        },
+    )
+
+
+# -- building under an instrumentation span -------------------------------------------------------
+@dispatcher.span
+def build_tree(builder: TreeBuilder, documents: Sequence[Document]) -> Tree:
+    """``builder.build(documents)`` inside a LlamaIndex instrumentation span."""
+    return builder.build(documents)
+
+
+@dispatcher.span
+async def abuild_tree(builder: TreeBuilder, documents: Sequence[Document]) -> Tree:
+    """``await builder.abuild(documents)`` inside a LlamaIndex instrumentation span."""
+    return await builder.abuild(documents)
