@@ -97,11 +97,14 @@ def workdir(tmp_path_factory: pytest.TempPathFactory, path: Path) -> Path:
     return directory
 
 
-def run_block(block: Block, cwd: Path) -> subprocess.CompletedProcess[str]:
+def run_block(
+    block: Block, cwd: Path, environ: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    base = dict(os.environ if environ is None else environ)
     env = {
-        **os.environ,
+        **base,
         "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")])),
     }
     if block.lang in PYTHON:
         command = [sys.executable, "-c", block.code]
@@ -162,6 +165,32 @@ def test_code_block_runs_or_says_why_not(
         f"--- block ---\n{block.code}--- output (tail) ---\n"
         f"{(proc.stdout + proc.stderr)[-3000:]}"
     )
+
+
+LOCAL_URL = "http://localhost:11434/v1"
+
+
+def test_local_model_blocks_against_a_fake_server(tmp_path: Path) -> None:
+    """docs/local-models.md's Python blocks for a local server, run against a fake one."""
+    from openai_server import FakeOpenAIServer
+
+    pytest.importorskip("openai")
+    blocks = [
+        b
+        for b in ALL_BLOCKS
+        if b.path.name == "local-models.md" and b.lang in PYTHON and LOCAL_URL in b.code
+    ]
+    assert len(blocks) == 2
+    env = {k: v for k, v in os.environ.items() if k not in {"OPENAI_API_KEY", "OPENAI_BASE_URL"}}
+    with FakeOpenAIServer() as server:
+        for block in blocks:
+            local = Block(
+                block.path, block.line, block.lang, block.code.replace(LOCAL_URL, server.url), None
+            )
+            proc = run_block(local, tmp_path, env)  # no key: the local-server default
+            assert proc.returncode == 0, f"{block.where}: {proc.stdout}{proc.stderr[-3000:]}"
+            assert proc.stdout.startswith("["), proc.stdout
+        assert server.requests("chat") and server.requests("embeddings")
 
 
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
