@@ -99,3 +99,31 @@ def test_build_onto_a_tree_needs_overwrite_and_bad_fields_are_named(tmp_path: Pa
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("dry run: 1 documents")
+
+
+# What a bare `pip install raptor-retriever` lacks: the extras' packages.
+BARE = """
+import sys
+for name in ("llama_index", "langchain_core", "langchain", "openai", "chromadb", "matplotlib",
+             "bm25s", "pypdf", "docx"):
+    sys.modules[name] = None  # importing it now fails, as when it is not installed
+from raptor_core.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_quickstart_on_a_bare_install_prints_nothing_on_stderr(tmp_path: Path) -> None:
+    """The quickstart's build and query: no tokenizer or model-loading noise, no warning."""
+    doc = Path(__file__).resolve().parents[1] / "data" / "multi_topic.md"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("TOKENIZERS_PARALLELISM", None)  # the CLI sets what it needs itself
+    args = [sys.executable, "-c", BARE]
+    build = [*args, "build", str(doc), "--out", str(tmp_path / "tree"), "--max-layers", "1"]
+    proc = subprocess.run(build, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert proc.stdout.startswith(f"built {tmp_path / 'tree'}: 1 documents")
+    query = [*args, "query", str(tmp_path / "tree"), "What is the topic?", "--max-tokens", "200"]
+    proc = subprocess.run(query, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
