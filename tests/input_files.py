@@ -43,9 +43,10 @@ def make_docx(path: Path) -> Path:
     document = docx.Document()
     document.add_heading("Otters", level=1)
     document.add_paragraph("Otters hold hands while they sleep so they do not drift apart.")
-    table = document.add_table(rows=1, cols=2)
+    table = document.add_table(rows=1, cols=3)
     table.cell(0, 0).text = "habitat"
-    table.cell(0, 1).text = "kelp forests"
+    table.cell(0, 1).merge(table.cell(0, 2)).text = "kelp forests"
+    document.add_paragraph("Sea otters use rocks as tools.")
     document.save(str(path))
     return path
 

@@ -219,19 +219,27 @@ def _read_docx(path: Path, text_field: str) -> list[Document]:
     except Exception as exc:  # python-docx raises zipfile/KeyError/its own: all mean unreadable
         msg = f"{path_text(path)} is not a readable .docx file: {exc}"
         raise InvalidInputError(msg) from exc
-    lines = []
-    for paragraph in document.paragraphs:
-        text = paragraph.text.strip()
+    # Paragraphs and tables in document order (python-docx >= 1.0), else tables last.
+    blocks = getattr(document, "iter_inner_content", None)
+    lines: list[str] = []
+    for block in blocks() if callable(blocks) else [*document.paragraphs, *document.tables]:
+        if hasattr(block, "rows"):  # a table: one line per row
+            for row in block.rows:
+                cells: list[str] = []
+                for cell in row.cells:
+                    text = cell.text.strip()
+                    # A merged cell is returned once per grid column it spans: keep it once.
+                    if text and (not cells or cells[-1] != text):
+                        cells.append(text)
+                if cells:
+                    lines.append(" | ".join(cells))
+            continue
+        text = block.text.strip()
         if not text:
             continue
-        style = paragraph.style.name if paragraph.style is not None else ""
+        style = block.style.name if block.style is not None else ""
         match = re.fullmatch(r"Heading (\d)", style or "")
         lines.append("#" * int(match.group(1)) + " " + text if match else text)
-    for table in document.tables:
-        for row in table.rows:
-            cells = [c.text.strip() for c in row.cells if c.text.strip()]
-            if cells:
-                lines.append(" | ".join(cells))
     return _file_document(path, "\n".join(lines))
 
 

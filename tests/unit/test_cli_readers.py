@@ -56,6 +56,7 @@ def test_docx_headings_paragraphs_tables(tmp_path: Path) -> None:
         "# Otters",
         "Otters hold hands while they sleep so they do not drift apart.",
         "habitat | kelp forests",
+        "Sea otters use rocks as tools.",
     ]
 
 
