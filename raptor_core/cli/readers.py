@@ -189,6 +189,9 @@ def _require(module: str, package: str) -> Any:
         raise MissingDependencyError(msg) from exc
 
 
+_EXTRACTED_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
 def _read_pdf(path: Path, text_field: str) -> list[Document]:
     pypdf = _require("pypdf", ".pdf")
     from pypdf.errors import PdfReadError
@@ -203,9 +206,10 @@ def _read_pdf(path: Path, text_field: str) -> list[Document]:
         # pypdf raises assorted errors on damaged files; all mean "not a readable PDF".
         msg = f"{path_text(path)} is not a readable PDF: {exc}"
         raise InvalidInputError(msg) from exc
-    # A blank line between pages keeps a paragraph from running across a page break.
-    text = "\n\n".join(p.strip() for p in pages if p.strip())
-    if not text:
+    # A blank line between pages keeps a paragraph from running across a page break.  Fonts
+    # without a Unicode map extract as control characters: blanks, not text.
+    text = _EXTRACTED_CONTROL.sub(" ", "\n\n".join(p.strip() for p in pages if p.strip()))
+    if not text.strip():
         msg = f"{path_text(path)} has no extractable text (a scanned PDF? run OCR on it first)"
         raise InvalidInputError(msg)
     check_unicode(text, path_text(path))

@@ -195,3 +195,10 @@ def test_named_files_fail_loudly(tmp_path: Path) -> None:
     assert read_documents([str(folder / "notes.log")])[0].text == "a log line"
     with pytest.raises(InvalidInputError, match="binary"):
         read_documents([str(folder / "image.png")])
+
+
+def test_pdf_control_characters_become_blanks(tmp_path: Path) -> None:
+    # A font without a Unicode map extracts as control characters; they are never text.
+    pdf = make_pdf(tmp_path / "odd.pdf", [["Bell\x07\x01 rings twice."]])
+    [doc] = read_documents([str(pdf)])
+    assert doc.text == "Bell   rings twice."
