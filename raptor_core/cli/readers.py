@@ -20,7 +20,9 @@ import csv
 import fnmatch
 import io
 import json
+import os
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from html.parser import HTMLParser
 from pathlib import Path
@@ -290,7 +292,19 @@ def _read_jsonl(path: Path, text_field: str) -> list[Document]:
 def _read_csv(path: Path, text_field: str) -> list[Document]:
     source = path_text(path)
     delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
+    # The csv module refuses cells over 128 KiB by default; a document may well be longer.
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     reader = csv.DictReader(io.StringIO(read_text(path), newline=""), delimiter=delimiter)
+    try:
+        return _csv_rows(reader, path, source, text_field)
+    except csv.Error as exc:  # an unterminated quote, ...
+        msg = f"{source}:{reader.line_num} is not valid CSV: {exc}"
+        raise InvalidInputError(msg) from exc
+
+
+def _csv_rows(
+    reader: csv.DictReader[str], path: Path, source: str, text_field: str
+) -> list[Document]:
     if reader.fieldnames is None or text_field not in reader.fieldnames:
         columns = ", ".join(reader.fieldnames or []) or "none"
         msg = (
@@ -333,22 +347,32 @@ def _matches(relative: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatch(relative if "/" in p else name, p) for p in patterns)
 
 
+def _walk(folder: Path, *, hidden: bool) -> list[Path]:
+    """Every file under ``folder``, sorted; hidden folders are not entered unless ``hidden``."""
+    found: list[Path] = []
+    for root, dirs, files in os.walk(folder):
+        # Pruning here (not filtering afterwards) keeps a .git or .venv from being walked.
+        dirs[:] = [d for d in dirs if hidden or not d.startswith(".")]
+        found.extend(Path(root, name) for name in files)
+    return sorted(found)
+
+
 def _folder_files(
     folder: Path, include: Sequence[str], exclude: Sequence[str], on_skip: SkipHandler
 ) -> Iterator[Path]:
-    for path in sorted(folder.rglob("*")):
+    # A --glob that names a hidden entry (".github/*") is the only way in.
+    hidden = any(part.startswith(".") for p in include for part in p.split("/"))
+    for path in _walk(folder, hidden=hidden):
         relative = path.relative_to(folder).as_posix()
         if not path.is_file() or _matches(relative, exclude):
             continue
-        if any(part.startswith(".") for part in path.relative_to(folder).parts):
-            # .git, .venv, editor files: never the user's documents unless a --glob names them.
-            if include and _matches(relative, include):
-                yield path
-            continue
         if include:
+            # Files the patterns leave out were left out on purpose: not reported.
             if _matches(relative, include):
                 yield path
             continue
+        if any(part.startswith(".") for part in path.relative_to(folder).parts):
+            continue  # .git, .venv, editor files: never the user's documents
         if path.suffix.lower() in READERS:
             yield path
         else:

@@ -6,8 +6,10 @@ tests/integration/test_cli_inputs.py.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from input_files import HTML, make_docx, make_pdf
@@ -202,3 +204,29 @@ def test_pdf_control_characters_become_blanks(tmp_path: Path) -> None:
     pdf = make_pdf(tmp_path / "odd.pdf", [["Bell\x07\x01 rings twice."]])
     [doc] = read_documents([str(pdf)])
     assert doc.text == "Bell   rings twice."
+
+
+def test_long_csv_cells(tmp_path: Path) -> None:
+    path = tmp_path / "long.csv"
+    long_text = "word " * 60_000  # 300 kB: over the csv module's default cell limit
+    path.write_text(f'text\n"{long_text}"\n')
+    [doc] = read_documents([str(path)])
+    assert doc.text == long_text
+
+
+def test_hidden_folders_are_not_walked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "docs"
+    (folder / ".venv" / "lib").mkdir(parents=True)
+    (folder / ".venv" / "lib" / "x.txt").write_text("never read")
+    (folder / "a.txt").write_text("read me")
+    walked: list[str] = []
+    real_walk = os.walk
+
+    def spy(top: Any, *args: Any, **kwargs: Any) -> Any:
+        for root, dirs, files in real_walk(top, *args, **kwargs):
+            walked.append(Path(root).name)
+            yield root, dirs, files
+
+    monkeypatch.setattr(os, "walk", spy)
+    assert [d.text for d in read_documents([str(folder)])] == ["read me"]
+    assert walked == ["docs"]  # .venv was pruned, not entered
