@@ -30,6 +30,7 @@ quickstart: install
 	$(BIN)/raptor query .raptor/docs-tree "What happens to a cluster that is too long to summarise?" --max-tokens 400
 
 test: install-dev
+	sh scripts/ensure-chromium.sh
 	$(BIN)/python -m pytest -q
 
 lint: install-dev

@@ -14,7 +14,7 @@ from typing import Any
 
 from raptor_core._argtypes import MAX_SEED, int_range, positive_float
 from raptor_core.cli import models
-from raptor_core.cli._common import TREE_FILE, path_text, safe
+from raptor_core.cli._common import TREE_FILE, one_line, path_text, safe
 from raptor_core.cli.readers import read_documents
 from raptor_core.exceptions import InvalidParameterError
 
@@ -111,6 +111,30 @@ def _probe_writable(out: Path) -> None:
         os.fsync(probe.fileno())
 
 
+def _read_inputs(args: argparse.Namespace) -> list[Any]:
+    """The documents named on the command line; each file skipped in a folder is one line."""
+    skipped = 0
+
+    def report_skip(path: Path, reason: str) -> None:
+        nonlocal skipped
+        skipped += 1
+        print(one_line(f"raptor build: skipped {path_text(path)}: {reason}"), file=sys.stderr)
+
+    docs = read_documents(
+        args.paths,
+        text_field=args.text_field,
+        include=args.glob or (),
+        exclude=args.exclude or (),
+        on_skip=report_skip,
+    )
+    if skipped:
+        print(
+            f"raptor build: skipped {skipped} file(s), read {len(docs)} document(s)",
+            file=sys.stderr,
+        )
+    return docs
+
+
 def run_build(args: argparse.Namespace) -> int:
     """Run ``raptor build`` with parsed ``args``; returns the exit status."""
     from raptor_core.build.builder import TreeBuilder
@@ -119,7 +143,7 @@ def run_build(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not args.dry_run:
         _check_out(out, overwrite=args.overwrite)
-    docs = read_documents(args.paths)
+    docs = _read_inputs(args)
     embedder, summarizer = models.build_models(args)
     builder_args: dict[str, Any] = {
         "chunk_max_tokens": args.chunk_tokens,
@@ -176,9 +200,33 @@ def run_build(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register ``build`` on the ``raptor`` command's subparsers."""
     positive = int_range(1)
-    build = sub.add_parser("build", help="build a tree from text/markdown files, folders or .jsonl")
+    build = sub.add_parser(
+        "build", help="build a tree from files and folders (text, Markdown, HTML, PDF, ...)"
+    )
     build.add_argument(
-        "paths", nargs="+", help="files or folders (.txt .md .rst, .jsonl with doc_id/text)"
+        "paths",
+        nargs="+",
+        help="files or folders: .txt .md .rst .html .pdf .docx, and records in .jsonl .csv .tsv",
+    )
+    inputs = build.add_argument_group("inputs (see docs/cli.md)")
+    inputs.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help=".jsonl field / .csv column holding the text (default text); the others "
+        "become metadata",
+    )
+    inputs.add_argument(
+        "--glob",
+        action="append",
+        metavar="PATTERN",
+        help="in folders, read only files matching PATTERN (repeatable), e.g. '*.md'",
+    )
+    inputs.add_argument(
+        "--exclude",
+        action="append",
+        metavar="PATTERN",
+        help="in folders, leave out files matching PATTERN (repeatable), e.g. 'drafts/*'",
     )
     build.add_argument("--out", required=True, help="directory to write the tree to")
     build.add_argument("--overwrite", action="store_true", help="replace the tree already in --out")

@@ -1,12 +1,17 @@
-"""``raptor inspect``: a saved tree's shape and build parameters."""
+"""``raptor inspect``: a saved tree's shape and build parameters, or a page to browse it."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
+from raptor_core._argtypes import int_range
 from raptor_core.cli import _common
-from raptor_core.cli._common import safe, safe_json
+from raptor_core.cli._common import check_unicode, path_text, safe, safe_json
+from raptor_core.exceptions import InvalidParameterError
 
 __all__ = ["add_parser", "layer_rows", "run_inspect"]
 
@@ -32,9 +37,71 @@ def layer_rows(tree: Any) -> list[dict[str, Any]]:
     return rows
 
 
+#: Strategies ``--query`` can precompute: those that need no LLM.
+HTML_STRATEGIES = ("collapsed", "traversal", "value", "mmr", "passage")
+
+
+def _precompute(tree: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run each ``--query`` with the tree's embedding model; node ids per query."""
+    if not args.query:
+        return []
+    from raptor_core.cli import models
+    from raptor_core.retrieval.registry import make_retriever
+
+    embedder = models.query_embedder(tree, args)
+    retriever = make_retriever(args.strategy, tree, embedder, k=args.top_k)
+    out = []
+    for question in args.query:
+        hits = retriever.retrieve(check_unicode(question, "--query"))
+        ids: list[str] = []
+        path: list[str] = []
+        for hit in hits:
+            # A passage is a span of leaves, not a stored node: highlight its leaves.
+            ids.extend(hit.leaves or (hit.node.id,))
+            path.extend(p for p in hit.path[:-1] if p not in path)
+        out.append({"query": question, "strategy": args.strategy, "hits": ids, "path": path})
+    return out
+
+
+def _write_html(tree: Any, args: argparse.Namespace) -> None:
+    from raptor_core.cli.tree_view import render_tree_html
+
+    out = Path(args.html)
+    if out.is_dir():
+        msg = f"--html {path_text(out)} is a directory: give a file name such as tree.html"
+        raise InvalidParameterError(msg)
+    page = render_tree_html(
+        tree,
+        title=Path(args.tree).name or args.tree,
+        layer_rows=layer_rows(tree),
+        queries=_precompute(tree, args),
+    )
+    # Write beside the target and rename, so a failed write never leaves half a page.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".raptor-", suffix=".html")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(page)
+        # mkstemp makes the file private (0600); a page is an ordinary file (umask applies).
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     """Run ``raptor inspect`` with parsed ``args``; returns the exit status."""
+    if args.query and not args.html:
+        msg = "--query precomputes results for the --html page: add --html FILE"
+        raise InvalidParameterError(msg)
     tree = _common.load_tree(args.tree)
+    if args.html:
+        _write_html(tree, args)
+        print(safe(f"wrote {path_text(Path(args.html))}: open it in a browser"))
+        return 0
     info = tree.build_info
     rows = layer_rows(tree)
     if args.json:
@@ -62,8 +129,41 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Register ``inspect`` on the ``raptor`` command's subparsers."""
-    inspect = sub.add_parser("inspect", help="print a tree's shape and build parameters")
+    inspect = sub.add_parser(
+        "inspect", help="print a tree's shape and build parameters, or write a page to browse it"
+    )
     inspect.add_argument("tree", help="tree directory")
     inspect.add_argument("--json", action="store_true", help="print as JSON")
+    page = inspect.add_argument_group("browsable page (see docs/cli.md)")
+    page.add_argument(
+        "--html",
+        metavar="FILE",
+        default=None,
+        help="write one self-contained HTML page showing the whole tree, with a search box",
+    )
+    page.add_argument(
+        "--query",
+        action="append",
+        metavar="TEXT",
+        help="precompute what this query retrieves and offer it in the page (repeatable; "
+        "runs the tree's embedding model)",
+    )
+    page.add_argument(
+        "--strategy",
+        choices=HTML_STRATEGIES,
+        default="collapsed",
+        help="strategy for --query (default collapsed)",
+    )
+    page.add_argument(
+        "--top-k", "-k", type=int_range(1), default=10, help="hits per --query (default 10)"
+    )
+    page.add_argument(
+        "--embedder",
+        default=None,
+        metavar="SPEC",
+        help="for --query: the model the tree was built with (see raptor query --embedder)",
+    )
+    page.add_argument("--embed-base-url", default=None, help="API root for --embedder openai:...")
+    inspect.set_defaults(embed_model=None, llm_base_url=None, timeout=60.0)
     inspect.set_defaults(func=run_inspect)
     return inspect

@@ -11,7 +11,7 @@ from raptor_core.cli._common import check_unicode, safe, safe_json
 from raptor_core.exceptions import InvalidParameterError
 from raptor_core.retrieval.registry import DEFAULT_STRATEGY, STRATEGIES
 
-__all__ = ["add_parser", "hit_json", "make_retriever", "run_query"]
+__all__ = ["add_parser", "explain", "hit_json", "make_retriever", "run_query"]
 
 
 def hit_json(hit: Any) -> dict[str, Any]:
@@ -86,6 +86,69 @@ def make_retriever(args: argparse.Namespace, tree: Any, embedder: Any) -> Any:
     return make(strategy, tree, embedder, llm=llm, **params)
 
 
+def explain(tree: Any, hits: Any, query_vector: Any) -> list[dict[str, Any]]:
+    """The nodes a search went through, per layer, top layer first.
+
+    Every node a hit was reached through (``Hit.path``), every hit, and every chunk that
+    scored a value-based hit (``Hit.evidence``) is listed once under its layer with its
+    cosine similarity to the query (computed from the tree's vectors, so nodes on the path
+    that are not returned get a score too) and its role: ``hit #rank``, ``path`` or
+    ``evidence``.
+    """
+    import numpy as np
+
+    q = np.asarray(query_vector, dtype=np.float32).reshape(-1)
+    q = q / (float(np.linalg.norm(q)) or 1.0)
+    seen: dict[str, dict[str, Any]] = {}
+
+    def add(node_id: str, role: str, *, via: str | None = None, reason: str | None = None) -> None:
+        if node_id not in tree:
+            return
+        entry = seen.get(node_id)
+        if entry is None:
+            node = tree.node(node_id)
+            cosine = float(tree.embeddings[tree.row(node_id)] @ q)
+            entry = {"id": node_id, "layer": node.layer, "score": round(cosine, 4), "roles": []}
+            seen[node_id] = entry
+        if role not in entry["roles"]:
+            entry["roles"].append(role)
+        if via and "via" not in entry:
+            entry["via"] = via
+        if reason and "reason" not in entry:
+            entry["reason"] = reason
+
+    for rank, hit in enumerate(hits, 1):
+        steps = list(hit.path) or [hit.node.id]
+        for parent, child in zip([None, *steps], steps, strict=False):
+            add(child, "path", via=parent)
+        for i, leaf in enumerate(hit.leaves):  # a passage: its leaves are what was returned
+            add(leaf, f"hit #{rank}", reason=None if i else hit.reason)
+        add(hit.node.id, f"hit #{rank}", reason=hit.reason)
+        for chunk_id, _ in hit.evidence:
+            if chunk_id not in hit.leaves:
+                add(chunk_id, f"evidence of #{rank}")
+    for entry in seen.values():
+        if len(entry["roles"]) > 1 and "path" in entry["roles"]:
+            entry["roles"].remove("path")  # a hit that is also on a path: say it is a hit
+    layers: dict[int, list[dict[str, Any]]] = {}
+    for entry in seen.values():
+        layers.setdefault(entry["layer"], []).append(entry)
+    return [
+        {"layer": layer, "nodes": sorted(layers[layer], key=lambda e: -e["score"])}
+        for layer in sorted(layers, reverse=True)
+    ]
+
+
+def _print_explain(strategy: str, layers: list[dict[str, Any]]) -> None:
+    print(f"search path ({strategy}), top layer first; score = cosine with the question:")
+    for layer in layers:
+        print(f"  layer {layer['layer']}:")
+        for e in layer["nodes"]:
+            via = f" <- {e['via']}" if e.get("via") else ""
+            why = f" ({e['reason']})" if e.get("reason") else ""
+            print(safe(f"    {e['id']}  {e['score']:.3f}  {', '.join(e['roles'])}{via}{why}"))
+
+
 def run_query(args: argparse.Namespace) -> int:
     """Run ``raptor query`` with parsed ``args``; returns the exit status."""
     question = check_unicode(args.question, "the question")
@@ -93,9 +156,15 @@ def run_query(args: argparse.Namespace) -> int:
     embedder = models.query_embedder(tree, args)
     retriever = make_retriever(args, tree, embedder)
     hits = retriever.retrieve(question)
+    strategy = getattr(args, "strategy", DEFAULT_STRATEGY)
+    path = explain(tree, hits, embedder.embed_query(question)) if args.explain else None
     if args.json:
-        print(safe_json([hit_json(h) for h in hits], indent=2))
+        found = [hit_json(h) for h in hits]
+        document: Any = found if path is None else {"hits": found, "explain": path}
+        print(safe_json(document, indent=2))
         return 0
+    if path is not None:
+        _print_explain(strategy, path)
     if not hits:
         print("no results")
         return 0
@@ -167,5 +236,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--embed-base-url", default=None, help="API root for --embedder openai:... (--llm-base-url)"
     )
     query.add_argument("--json", action="store_true", help="print hits as JSON")
+    query.add_argument(
+        "--explain",
+        action="store_true",
+        help="first print the nodes the search went through at each layer, with scores "
+        '(with --json: {"hits": [...], "explain": [...]})',
+    )
     query.set_defaults(func=run_query)
     return query

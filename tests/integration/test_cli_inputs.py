@@ -1,0 +1,129 @@
+"""``raptor build`` over real PDF, HTML, Markdown, CSV, JSONL and DOCX files, as a user runs it.
+
+Everything goes through the installed ``raptor`` command in a subprocess with the packaged
+embedding model; the tree it saves is then read back to check what was indexed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from input_files import HTML, make_docx, make_pdf
+
+from raptor_core.tree import Tree
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def raptor(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    script = Path(sys.executable).parent / "raptor"
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "raptor_core.cli"]
+    return subprocess.run(
+        [*command, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=300,
+        check=False,
+    )
+
+
+def test_build_reads_every_type_and_reports_skips(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    (docs / "drafts").mkdir(parents=True)
+    make_pdf(docs / "volcano.pdf", [["Volcanoes erupt molten lava and ash."], ["Magma cools."]])
+    make_docx(docs / "otters.docx")
+    (docs / "bees.html").write_text(HTML)
+    (docs / "apples.md").write_text("# Apples\nApples grow on trees in orchards.")
+    (docs / "faq.csv").write_text(
+        "doc_id,body,source\nq1,Tides follow the pull of the moon.,almanac\n"
+    )
+    (docs / "notes.jsonl").write_text(
+        json.dumps({"doc_id": "n1", "body": "Glaciers carve valleys.", "source": "crm"}) + "\n"
+    )
+    (docs / "photo.jpg").write_bytes(b"\xff\xd8\xff\xe0\x00\x10JFIF\x00")
+    (docs / "blob.txt").write_bytes(b"\x00\x00binary")
+    (docs / "drafts" / "old.md").write_text("Draft text that must not be indexed.")
+
+    proc = raptor(
+        "build", "docs", "--out", "tree", "--exclude", "drafts/*", "--max-layers", "1",
+        "--text-field", "body", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    # Each skipped file on one line with why, then a count; nothing else (no warnings).
+    assert proc.stderr.splitlines() == [
+        "raptor build: skipped docs/blob.txt: is a binary file, not text",
+        "raptor build: skipped docs/photo.jpg: unsupported file type '.jpg'",
+        "raptor build: skipped 2 file(s), read 6 document(s)",
+    ]
+    tree = Tree.load(tmp_path / "tree")
+    assert set(tree.doc_ids) == {
+        "docs/apples.md", "docs/bees.html", "docs/otters.docx", "docs/volcano.pdf", "q1", "n1",
+    }  # fmt: skip
+    leaves = {leaf.doc_id: leaf for leaf in tree.leaves}
+    assert "Volcanoes erupt molten lava" in leaves["docs/volcano.pdf"].text
+    assert not any("%PDF" in leaf.text or "PK\x03\x04" in leaf.text for leaf in tree.leaves)
+    assert (
+        "# Bees" in leaves["docs/bees.html"].text and "secret" not in leaves["docs/bees.html"].text
+    )
+    assert "# Otters" in leaves["docs/otters.docx"].text
+    assert leaves["n1"].metadata["source"] == "crm"  # the user's field, not our path
+    assert leaves["n1"].metadata["source_file"] == "docs/notes.jsonl"
+    assert leaves["q1"].metadata["source"] == "almanac"
+
+    proc = raptor("query", "tree", "Which animals hold hands?", "-k", "1", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)[0]["doc_id"] == "docs/otters.docx"
+
+
+def test_build_onto_a_tree_needs_overwrite_and_bad_fields_are_named(tmp_path: Path) -> None:
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "tree.json").write_text("{}")
+    (tmp_path / "a.csv").write_text("title,body\nx,Some text.\n")
+    proc = raptor("build", "a.csv", "--out", "tree", cwd=tmp_path)
+    assert proc.returncode == 2 and "--overwrite" in proc.stderr
+    proc = raptor("build", "a.csv", "--out", "out", "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "raptor build: error: a.csv has no 'text' column (columns: title, body): "
+        "pass --text-field NAME to say which column holds the text"
+    )
+    proc = raptor(
+        "build", "a.csv", "--out", "out", "--dry-run", "--text-field", "body", cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("dry run: 1 documents")
+
+
+# What a bare `pip install raptor-retriever` lacks: the extras' packages.
+BARE = """
+import sys
+for name in ("llama_index", "langchain_core", "langchain", "openai", "chromadb", "matplotlib",
+             "bm25s", "pypdf", "docx"):
+    sys.modules[name] = None  # importing it now fails, as when it is not installed
+from raptor_core.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_quickstart_on_a_bare_install_prints_nothing_on_stderr(tmp_path: Path) -> None:
+    """The quickstart's build and query: no tokenizer or model-loading noise, no warning."""
+    doc = Path(__file__).resolve().parents[1] / "data" / "multi_topic.md"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("TOKENIZERS_PARALLELISM", None)  # the CLI sets what it needs itself
+    args = [sys.executable, "-c", BARE]
+    build = [*args, "build", str(doc), "--out", str(tmp_path / "tree"), "--max-layers", "1"]
+    proc = subprocess.run(build, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert proc.stdout.startswith(f"built {tmp_path / 'tree'}: 1 documents")
+    query = [*args, "query", str(tmp_path / "tree"), "What is the topic?", "--max-tokens", "200"]
+    proc = subprocess.run(query, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""

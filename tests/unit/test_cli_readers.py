@@ -1,0 +1,232 @@
+"""``raptor build`` inputs read in-process: every file type, folders, filters, skip reports.
+
+The same inputs go through the installed ``raptor`` command in
+tests/integration/test_cli_inputs.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from input_files import HTML, make_docx, make_pdf
+
+from raptor_core.cli.readers import html_to_text, read_documents
+from raptor_core.exceptions import InvalidInputError, MissingDependencyError
+
+
+# -- each type -------------------------------------------------------------------------------------
+def test_html_keeps_headings_and_drops_scripts() -> None:
+    text, title = html_to_text(HTML)
+    assert title == "Bees & hives"
+    assert text.splitlines() == [
+        "Home",
+        "# Bees",
+        "Bees dance to show where flowers are.",
+        "## Hives",
+        "wax",
+        "honey",
+    ]
+    assert "secret" not in text and "color" not in text and "enable js" not in text
+
+
+def test_pdf_text_and_page_count(tmp_path: Path) -> None:
+    pdf = make_pdf(tmp_path / "v.pdf", [["Volcanoes erupt lava (hot)."], ["Page two."]])
+    [doc] = read_documents([str(pdf)])
+    assert doc.text == "Volcanoes erupt lava (hot).\n\nPage two."
+    assert doc.metadata == {"source": str(pdf), "pages": 2}
+    assert "%PDF" not in doc.text
+
+
+def test_pdf_without_text_is_refused(tmp_path: Path) -> None:
+    pdf = make_pdf(tmp_path / "scan.pdf", [[]])
+    with pytest.raises(InvalidInputError, match="no extractable text"):
+        read_documents([str(pdf)])
+    broken = tmp_path / "broken.pdf"
+    broken.write_bytes(b"%PDF-1.4\nnot really a pdf")
+    with pytest.raises(InvalidInputError, match="not a readable PDF"):
+        read_documents([str(broken)])
+
+
+def test_docx_headings_paragraphs_tables(tmp_path: Path) -> None:
+    path = make_docx(tmp_path / "otters.docx")
+    [doc] = read_documents([str(path)])
+    assert doc.text.splitlines() == [
+        "# Otters",
+        "Otters hold hands while they sleep so they do not drift apart.",
+        "habitat | kelp forests",
+        "Sea otters use rocks as tools.",
+    ]
+
+
+@pytest.mark.parametrize(("module", "suffix"), [("pypdf", ".pdf"), ("docx", ".docx")])
+def test_missing_reader_package_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, suffix: str
+) -> None:
+    path = tmp_path / f"file{suffix}"
+    path.write_bytes(b"whatever")
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(MissingDependencyError, match=r"raptor-retriever\[readers\]"):
+        read_documents([str(path)])
+
+
+def test_jsonl_keeps_the_users_source_and_metadata(tmp_path: Path) -> None:
+    path = tmp_path / "notes.jsonl"
+    path.write_text(
+        '{"doc_id": "n1", "body": "Cats purr.", "source": "crm", "stars": 4, "tags": ["x"]}\n'
+        "\n"
+        '{"body": "Dogs bark.", "source_file": "theirs"}\n'
+    )
+    first, second = read_documents([str(path)], text_field="body")
+    assert (first.doc_id, first.text) == ("n1", "Cats purr.")
+    # The user's "source" stays theirs; where we read it from goes under other keys.
+    assert first.metadata == {
+        "source": "crm",
+        "stars": 4,
+        "source_file": str(path),
+        "source_line": 1,
+    }
+    assert second.doc_id == "notes:3"
+    assert second.metadata == {"source_file": "theirs", "source_line": 3}
+
+
+def test_jsonl_without_the_text_field_lists_the_fields(tmp_path: Path) -> None:
+    path = tmp_path / "notes.jsonl"
+    path.write_text('{"doc_id": "n1", "body": "Cats purr."}\n')
+    with pytest.raises(
+        InvalidInputError, match=r"notes.jsonl:1 has no string 'text'.*body, doc_id.*--text-field"
+    ):
+        read_documents([str(path)])
+
+
+def test_csv_and_tsv_rows(tmp_path: Path) -> None:
+    csv_path = tmp_path / "faq.csv"
+    csv_path.write_text(
+        'doc_id,question,answer,source\nq1,Why?,"Because, of course.",manual\nq2,How?,,web\n'
+    )
+    [doc] = read_documents([str(csv_path)], text_field="answer")  # the empty row is left out
+    assert (doc.doc_id, doc.text) == ("q1", "Because, of course.")
+    assert doc.metadata == {
+        "question": "Why?",
+        "source": "manual",
+        "source_file": str(csv_path),
+        "source_line": 2,
+    }
+    with pytest.raises(
+        InvalidInputError, match=r"no 'text' column \(columns: doc_id, question, answer, source\)"
+    ):
+        read_documents([str(csv_path)])
+    tsv = tmp_path / "rows.tsv"
+    tsv.write_text("text\tlang\nHallo Welt\tde\n")
+    [row] = read_documents([str(tsv)])
+    assert (row.text, row.metadata["lang"], row.doc_id) == ("Hallo Welt", "de", "rows:2")
+
+
+# -- folders ---------------------------------------------------------------------------------------
+def make_folder(root: Path) -> Path:
+    (root / "sub").mkdir(parents=True)
+    (root / ".git").mkdir()
+    (root / "a.md").write_text("# A\nMarkdown text about apples.")
+    (root / "sub" / "b.txt").write_text("Plain text about bananas.")
+    (root / "sub" / "page.html").write_text(HTML)
+    (root / "notes.log").write_text("a log line")
+    (root / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    (root / "fake.txt").write_bytes(b"\x00\x01binary under a text name")
+    (root / "latin1.md").write_bytes("Größe".encode("latin-1"))
+    (root / "empty.txt").write_text("   \n")
+    (root / ".git" / "config").write_text("[core]")
+    return root
+
+
+def test_folder_skips_with_reasons(tmp_path: Path) -> None:
+    folder = make_folder(tmp_path / "docs")
+    skipped: list[tuple[str, str]] = []
+    docs = read_documents([str(folder)], on_skip=lambda p, why: skipped.append((p.name, why)))
+    assert sorted(d.doc_id for d in docs) == sorted(
+        str(folder / p) for p in ("a.md", "sub/b.txt", "sub/page.html")
+    )
+    reasons = dict(skipped)
+    assert set(reasons) == {"notes.log", "image.png", "fake.txt", "latin1.md", "empty.txt"}
+    assert reasons["notes.log"] == "unsupported file type '.log'"
+    assert reasons["fake.txt"] == "is a binary file, not text"
+    assert reasons["latin1.md"].startswith("is not valid UTF-8 text")
+    assert reasons["empty.txt"] == "holds no text"
+    html = next(d for d in docs if d.doc_id.endswith("page.html"))
+    assert html.metadata["title"] == "Bees & hives" and "# Bees" in html.text
+
+
+def test_glob_and_exclude(tmp_path: Path) -> None:
+    folder = make_folder(tmp_path / "docs")
+    skipped: list[Path] = []
+
+    def ids(**kw: object) -> list[str]:
+        docs = read_documents([str(folder)], on_skip=lambda p, why: skipped.append(p), **kw)  # type: ignore[arg-type]
+        return sorted(Path(d.doc_id).relative_to(folder).as_posix() for d in docs)
+
+    assert ids(include=["*.md"]) == ["a.md"]  # latin1.md is selected, then skipped
+    assert [p.name for p in skipped] == ["latin1.md"]
+    assert ids(include=["sub/*"]) == ["sub/b.txt", "sub/page.html"]
+    # A --glob selecting an unknown type reads it as text.
+    assert ids(include=["*.log", "*.txt"], exclude=["fake.txt", "empty.txt"]) == [
+        "notes.log",
+        "sub/b.txt",
+    ]
+    assert ids(exclude=["sub/*", "*.png", "*.log"]) == ["a.md"]
+    with pytest.raises(InvalidInputError, match="holds no file that could be read"):
+        ids(exclude=["sub/*", "a.md"])
+
+
+def test_hidden_entries_are_left_out_unless_a_glob_names_them(tmp_path: Path) -> None:
+    folder = tmp_path / "docs"
+    (folder / ".hidden").mkdir(parents=True)
+    (folder / ".hidden" / "x.md").write_text("hidden text")
+    (folder / "y.md").write_text("visible text")
+    assert [d.text for d in read_documents([str(folder)])] == ["visible text"]
+    got = read_documents([str(folder)], include=[".hidden/*"])
+    assert [d.text for d in got] == ["hidden text"]
+
+
+def test_named_files_fail_loudly(tmp_path: Path) -> None:
+    folder = make_folder(tmp_path / "docs")
+    with pytest.raises(InvalidInputError, match="binary"):
+        read_documents([str(folder / "fake.txt")])
+    # A named file of an unknown type is read as text.
+    assert read_documents([str(folder / "notes.log")])[0].text == "a log line"
+    with pytest.raises(InvalidInputError, match="binary"):
+        read_documents([str(folder / "image.png")])
+
+
+def test_pdf_control_characters_become_blanks(tmp_path: Path) -> None:
+    # A font without a Unicode map extracts as control characters; they are never text.
+    pdf = make_pdf(tmp_path / "odd.pdf", [["Bell\x07\x01 rings twice."]])
+    [doc] = read_documents([str(pdf)])
+    assert doc.text == "Bell   rings twice."
+
+
+def test_long_csv_cells(tmp_path: Path) -> None:
+    path = tmp_path / "long.csv"
+    long_text = "word " * 60_000  # 300 kB: over the csv module's default cell limit
+    path.write_text(f'text\n"{long_text}"\n')
+    [doc] = read_documents([str(path)])
+    assert doc.text == long_text
+
+
+def test_hidden_folders_are_not_walked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "docs"
+    (folder / ".venv" / "lib").mkdir(parents=True)
+    (folder / ".venv" / "lib" / "x.txt").write_text("never read")
+    (folder / "a.txt").write_text("read me")
+    walked: list[str] = []
+    real_walk = os.walk
+
+    def spy(top: Any, *args: Any, **kwargs: Any) -> Any:
+        for root, dirs, files in real_walk(top, *args, **kwargs):
+            walked.append(Path(root).name)
+            yield root, dirs, files
+
+    monkeypatch.setattr(os, "walk", spy)
+    assert [d.text for d in read_documents([str(folder)])] == ["read me"]
+    assert walked == ["docs"]  # .venv was pruned, not entered
