@@ -445,6 +445,10 @@ class _UpdateRun(_BuildRun):
                 joined[b].append(o)
         return joined
 
+    def carried_only(self) -> list[str]:
+        """The layer's texts when every cluster to make has one member (nothing to summarise)."""
+        return [str(s) for s in self._with_carried([])]
+
     def summary_texts(self, summaries: Sequence[str]) -> list[str]:
         """The texts of the new summaries to embed (carried nodes reuse their member's vector)."""
         return [summaries[i] for i in self._to_summarize()]
@@ -627,7 +631,7 @@ def run_sync(run: _UpdateRun, op: str) -> TreeUpdate:
         )
         layer = 1
         while run.plan_layer(layer):
-            summaries = run.summarize_sync() if run.clusters else []
+            summaries = run.summarize_sync() if run._to_summarize() else run.carried_only()
             todo = run.summary_texts(summaries)
             fresh = run.embed_sync(todo) if todo else np.zeros((0, run.tree.dim), np.float32)
             run.commit_layer_update(layer, summaries, fresh)
@@ -646,7 +650,7 @@ async def run_async(run: _UpdateRun, op: str) -> TreeUpdate:
     run.commit_leaves(await run.aembed(texts) if texts else np.zeros((0, run.tree.dim), np.float32))
     layer = 1
     while await asyncio.to_thread(run.plan_layer, layer):
-        summaries = await run.summarize_async() if run.clusters else []
+        summaries = await run.summarize_async() if run._to_summarize() else run.carried_only()
         todo = run.summary_texts(summaries)
         fresh = await run.aembed(todo) if todo else np.zeros((0, run.tree.dim), np.float32)
         run.commit_layer_update(layer, summaries, fresh)
