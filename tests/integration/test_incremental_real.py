@@ -98,7 +98,7 @@ def test_delete_removes_every_trace(grown) -> None:
 
 
 def test_same_operations_same_tree(grown, st_embedder, sections) -> None:
-    builder, _, tree, _, result = grown
+    _, _, tree, _, result = grown
     again = TreeBuilder(
         st_embedder, CountingSummarizer(ExtractiveSummarizer(st_embedder)), random_state=0
     ).insert(tree, sections[-1:])
