@@ -164,7 +164,7 @@ def prepare_insert(tree: Tree, documents: Iterable[DocumentLike]) -> list[Docume
     clash = [d.doc_id for d in docs if d.doc_id in existing]
     if clash:
         msg = (
-            f"document id(s) {clash[:5]} are already in the tree: use update() to replace a "
+            f"document id(s) {clash[:5]} are already in the tree: use update() (raptor update) to replace a "
             "document, or give the new one another id"
         )
         raise InvalidParameterError(msg)
