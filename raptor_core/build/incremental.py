@@ -271,7 +271,9 @@ class _UpdateRun(_BuildRun):
         self.docs_added: list[str] = []
         self.docs_replaced: list[str] = []
         self.docs_unchanged: list[str] = []
-        self.pending: list[tuple[list[str], bool]] = []  # (members, is new) of the layer
+        # The layer being made: old rows kept as they are, and the new nodes without a parent.
+        self.kept_rows: list[int] = []
+        self.next_orphans: list[str] = []
 
     # -- layer 0 ------------------------------------------------------------------------------
     def chunk_new(self) -> list[str]:
@@ -315,8 +317,6 @@ class _UpdateRun(_BuildRun):
             node = self.tree.nodes[r]
             if node.doc_id in gone:
                 self.replaced[node.id] = []
-        new_ids = {n.id for n in self.layer_nodes}
-        kept_rows = [r for r in kept_rows if self.tree.nodes[r].id not in new_ids]
         nodes = [self.tree.nodes[r] for r in kept_rows] + self.layer_nodes
         vecs = [self.tree.embeddings[kept_rows]]
         if self.layer_nodes:
@@ -367,8 +367,7 @@ class _UpdateRun(_BuildRun):
             )
             todo.extend((None, [left[j] for j in g]) for g in groups)
         # Split what outgrew the summariser's limit; re-cluster what drifted.
-        self.pending = []
-        origin: list[str | None] = []
+        parts_made: list[tuple[list[str], str | None]] = []  # (members, old cluster or None)
         floor = self.floor[layer - 1] if layer - 1 < len(self.floor) else None
         for old_id, kids in todo:
             idx = [pos[k] for k in kids]
@@ -386,26 +385,24 @@ class _UpdateRun(_BuildRun):
                 parts = self._recluster(kids, idx, tokens)
                 if len(parts) > 1:
                     self.report["reclustered_subtrees"] += 1
-            for part in parts:
-                self.pending.append((part, old_id is None))
-                origin.append(old_id)
+            parts_made.extend((part, old_id) for part in parts)
         # Identical member lists make identical nodes (ids derive from members): keep one.
         kept_ids = {self.tree.nodes[r].id for r in kept}
         self.kept_rows = kept
         unique: dict[str, list[str]] = {}
         targets: dict[str, list[str]] = {}
-        new_top: list[str] = []
-        for (part, _is_new), old_id in zip(self.pending, origin, strict=True):
+        new_groups: list[str] = []
+        for part, old_id in parts_made:
             nid = summary_id(layer, part)
             if old_id is not None:
                 targets.setdefault(old_id, []).append(nid)
-            elif nid not in new_top:
-                new_top.append(nid)
+            elif nid not in new_groups:
+                new_groups.append(nid)
             if nid not in kept_ids and nid not in unique:
                 unique[nid] = part
         for old_id, nids in targets.items():
             self.replaced[old_id] = list(dict.fromkeys(nids))
-        self.next_orphans = [n for n in new_top if n not in kept_ids]
+        self.next_orphans = [n for n in new_groups if n not in kept_ids]
         self.layer = layer - 1
         member_ids = dict.fromkeys(k for p in unique.values() for k in p)
         self.layer_nodes = [below[pos[k]] for k in member_ids]
