@@ -295,3 +295,38 @@ def test_a_tree_of_leaves_only_grows_at_layer_zero() -> None:
     result = b.insert(tree, [doc("bread", n=1)])
     assert result.tree.num_layers == 1 and len(result.tree) == 2
     assert result.report.summary_calls == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_operation_sequences_keep_every_invariant(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    b = builder(
+        clusterer=GroupClusterer(int(rng.integers(2, 5))),
+        cluster_max_tokens=int(rng.choice([40, 80, 3500])),
+    )
+    names = list(TOPICS)
+    present = {name: doc(name, n=int(rng.integers(1, 8))) for name in names[:3]}
+    tree = b.build(list(present.values()))
+    for step in range(8):
+        op = rng.choice(["insert", "delete", "update"])
+        absent = [n for n in names if n not in present]
+        if op == "insert" and absent:
+            name = str(rng.choice(absent))
+            present[name] = doc(name, n=int(rng.integers(1, 8)), marker=f"m{step}")
+            result = b.insert(tree, [present[name]])
+        elif op == "delete" and len(present) > 1:
+            name = str(rng.choice(sorted(present)))
+            del present[name]
+            result = b.delete(tree, [name])
+        else:
+            name = str(rng.choice(sorted(present)))
+            present[name] = doc(name, n=int(rng.integers(1, 8)), marker=f"u{step}")
+            result = b.update(tree, [present[name]])
+        tree = result.tree
+        check_tree_invariants(tree, extractive=True)
+        assert set(tree.doc_ids) == set(present)
+        for leaf in tree.leaves:
+            assert leaf.text in present[str(leaf.doc_id)].text
+        for node in tree.nodes:
+            if len(node.children) > 1:
+                assert sum(c.token_count for c in tree.children(node.id)) <= b.cluster_max_tokens
