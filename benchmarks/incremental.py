@@ -185,7 +185,13 @@ def main() -> int:
         f"{datetime.now(timezone.utc):%Y-%m-%d} ({platform.machine()}, {os.cpu_count()} cores, "
         "shared with other jobs: read the times as ratios measured side by side).",
         "",
-        f"Tree of {n - 1} documents (QASPER papers, then QuALITY articles), "
+        (
+            f"`--n {args.n}` asked for more documents than the data has: {n} are used "
+            f"({len(papers)} distinct QASPER papers, {len(filler)} QuALITY articles).\n\n"
+            if n < args.n
+            else ""
+        )
+        + f"Tree of {n - 1} documents (QASPER papers, then QuALITY articles), "
         f"all-MiniLM-L6-v2, UMAP/GMM, extractive summariser wrapped to count calls; "
         f"then QASPER paper `{new_doc.doc_id}` is inserted, and deleted again.",
         "",
