@@ -43,6 +43,7 @@ bench: install-dev
 	$(BIN)/python benchmarks/cluster_threads.py
 	$(BIN)/python benchmarks/vs_baselines.py
 	$(BIN)/python benchmarks/quality.py
+	$(BIN)/python benchmarks/incremental.py
 
 clean:
 	rm -rf .raptor .pytest_cache .mypy_cache .ruff_cache

@@ -16,6 +16,7 @@ from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedd
 from raptor_core.build.builder import TreeBuilder
 from raptor_core.build.chunking import SentenceChunker
 from raptor_core.build.clustering import GMMClusterer
+from raptor_core.build.incremental import TreeUpdate, UpdateReport
 from raptor_core.build.summarizers import ExtractiveSummarizer, LLMSummarizer
 from raptor_core.exceptions import (
     BackendError,
@@ -124,6 +125,8 @@ __all__ = [
     "TreeLockError",
     "TreeRetriever",
     "TreeTraversalRetriever",
+    "TreeUpdate",
+    "UpdateReport",
     "ValueBasedRetriever",
     "VectorIndex",
     "__version__",

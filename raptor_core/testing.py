@@ -28,6 +28,7 @@ __all__ = [
     "ScriptedLLM",
     "VectorIndexTests",
     "WhitespaceTokenizer",
+    "check_tree_invariants",
     "random_tree",
     "select_first",
     "store_tree",
@@ -317,3 +318,56 @@ def random_tree(
         embeddings=np.concatenate(blocks),
         params={"generator": "random_tree", "random_state": random_state},
     )
+
+
+def check_tree_invariants(tree: Tree, *, built: bool = True, extractive: bool = False) -> None:
+    """Assert the invariants a built or incrementally updated tree keeps (for tests).
+
+    Beyond what :class:`Tree` checks on construction (children exist one layer down, parents
+    are the inverse of children):
+
+    * every node below the top layer has a parent, and ``parents`` match the children lists;
+    * a summary covers exactly its children's documents (``doc_ids`` is their union, in
+      order of first appearance, and ``doc_id`` is set exactly when there is one document);
+    * a carried node copies its only child's text, token count and embedding;
+    * with ``built``: ids are the stable ids of :mod:`raptor_core.build.ids`;
+    * with ``extractive`` (EchoSummarizer, ExtractiveSummarizer): every word of a summary
+      occurs in the texts of its children, so no summary holds text from anywhere else.
+
+    Raises:
+        AssertionError: naming the node and the invariant it breaks.
+    """
+    from raptor_core.build.ids import leaf_id, summary_id
+
+    parents: dict[str, list[str]] = {}
+    for node in tree.nodes:
+        for child in node.children:
+            parents.setdefault(child, []).append(node.id)
+    for node in tree.nodes:
+        assert node.parents == tuple(parents.get(node.id, ())), f"{node.id}: parents"
+        if node.layer < tree.top_layer:
+            assert node.parents, f"{node.id} (layer {node.layer}) has no parent"
+        if node.is_leaf:
+            assert node.doc_ids == (node.doc_id,), f"{node.id}: leaf doc_ids"
+            if built:
+                assert node.span is not None, f"{node.id}: leaf without span"
+                expected = leaf_id(str(node.doc_id), *node.span, node.text)
+                assert node.id == expected, f"{node.id}: not the stable leaf id"
+            continue
+        kids = tree.children(node.id)
+        assert all(k.layer == node.layer - 1 for k in kids), f"{node.id}: child layers"
+        covered = tuple(dict.fromkeys(d for k in kids for d in k.doc_ids))
+        assert node.doc_ids == covered, f"{node.id}: doc_ids {node.doc_ids} != {covered}"
+        assert node.doc_id == (covered[0] if len(covered) == 1 else None), f"{node.id}: doc_id"
+        if built:
+            assert node.id == summary_id(node.layer, node.children), f"{node.id}: not stable"
+        if len(kids) == 1:
+            assert node.metadata.get("carried") is True, f"{node.id}: one child, not carried"
+            assert node.text == kids[0].text, f"{node.id}: carried text differs"
+            assert node.token_count == kids[0].token_count, f"{node.id}: carried tokens"
+            same = tree.embeddings[tree.row(node.id)] == tree.embeddings[tree.row(kids[0].id)]
+            assert bool(np.all(same)), f"{node.id}: carried embedding differs"
+        elif extractive:
+            source = {w for k in kids for w in _WORD.findall(k.text.lower())}
+            extra = [w for w in _WORD.findall(node.text.lower()) if w not in source]
+            assert not extra, f"{node.id}: summary words {extra[:5]} not in its children"

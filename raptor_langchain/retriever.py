@@ -279,6 +279,7 @@ class RaptorRetriever(BaseRetriever):
 
     _embedder_cache: tuple[Any, Embedder] | None = PrivateAttr(default=None)
     _store_cache: tuple[Any, Any, Any, LangChainNodeStore] | None = PrivateAttr(default=None)
+    _tree_builder: TreeBuilder | None = PrivateAttr(default=None)
 
     @field_validator("strategy")
     @classmethod
@@ -465,6 +466,153 @@ class RaptorRetriever(BaseRetriever):
             hits = await core.aretrieve(query)
         return self._documents(plan, hits)
 
+    # -- incremental updates -------------------------------------------------------------------
+    def add_documents(self, documents: Sequence[Document], **kwargs: Any) -> list[str]:
+        """Add documents to the tree without rebuilding it; returns their document ids.
+
+        Only the new chunks are embedded and only the clusters they join (and their
+        ancestors) are re-summarised (see ``TreeBuilder.insert``).  Over a vector store,
+        the new and changed nodes are upserted and the replaced ones deleted: the store is
+        read, never rewritten whole.
+
+        Args:
+            documents: LangChain documents; ``Document.id`` (or ``ids=[...]``) becomes the
+                document id, else a free ``doc-<n>`` is chosen.
+            **kwargs: ``ids``: the document ids, one per document.
+
+        Raises:
+            InvalidParameterError: an id is already in the tree (delete it first), or an
+                unknown keyword.
+            InvalidInputError: an empty, binary or duplicate document (nothing is paid).
+        """
+        tree, docs = self._prepare_add(documents, kwargs)
+        result = self._update_builder(tree).insert(tree, docs)
+        self._commit(tree, result)
+        return [d.doc_id for d in docs]
+
+    async def aadd_documents(self, documents: Sequence[Document], **kwargs: Any) -> list[str]:
+        """Async :meth:`add_documents`: summaries and embeddings use the models' async APIs."""
+        tree, docs = await run_in_executor(None, self._prepare_add, documents, kwargs)
+        result = await self._update_builder(tree).ainsert(tree, docs)
+        await run_in_executor(None, self._commit, tree, result)
+        return [d.doc_id for d in docs]
+
+    def delete(self, ids: Sequence[str] | None = None, **kwargs: Any) -> bool:
+        """Delete documents by document id (what :meth:`add_documents` returned).
+
+        Every summary that covered them is re-summarised from what it has left, or removed.
+
+        Raises:
+            InvalidParameterError: no ids, an unknown id, or an unknown keyword.
+            InvalidInputError: the ids are every document of the tree.
+        """
+        tree, gone = self._prepare_delete(ids, kwargs)
+        self._commit(tree, self._update_builder(tree).delete(tree, gone))
+        return True
+
+    async def adelete(self, ids: Sequence[str] | None = None, **kwargs: Any) -> bool:
+        """Async :meth:`delete`."""
+        tree, gone = await run_in_executor(None, self._prepare_delete, ids, kwargs)
+        result = await self._update_builder(tree).adelete(tree, gone)
+        await run_in_executor(None, self._commit, tree, result)
+        return True
+
+    def _current_tree(self) -> Tree:
+        if self.tree is not None:
+            return self.tree
+        store = self.store
+        assert isinstance(store, LangChainNodeStore)
+        # Read back (the store cannot be searched for "every node under X" otherwise); the
+        # writes that follow touch only what changed.
+        return store.to_tree()
+
+    def _prepare_add(
+        self, documents: Sequence[Document], kwargs: Mapping[str, Any]
+    ) -> tuple[Tree, list[CoreDocument]]:
+        unknown = set(kwargs) - {"ids"}
+        if unknown:
+            msg = f"add_documents() got unknown keyword(s) {sorted(unknown)}; it accepts ids="
+            raise InvalidParameterError(msg)
+        documents = list(documents)
+        ids = kwargs.get("ids")
+        if ids is not None and len(ids) != len(documents):
+            msg = f"ids has {len(ids)} entries for {len(documents)} documents"
+            raise InvalidParameterError(msg)
+        tree = self._current_tree()
+        used = set(tree.doc_ids) | {d.id for d in documents if getattr(d, "id", None)}
+        used |= set(ids or ())
+        out: list[CoreDocument] = []
+        counter = 0
+        for i, doc in enumerate(documents):
+            if not isinstance(doc, Document):
+                msg = f"document #{i} must be a langchain_core Document, got {type(doc).__name__}"
+                raise InvalidParameterError(msg)
+            doc_id = ids[i] if ids is not None else doc.id
+            if not doc_id:
+                while f"doc-{counter}" in used:
+                    counter += 1
+                doc_id = f"doc-{counter}"
+                used.add(doc_id)
+            out.append(
+                CoreDocument(text=doc.page_content, doc_id=str(doc_id), metadata=dict(doc.metadata))
+            )
+        return tree, out
+
+    def _prepare_delete(
+        self, ids: Sequence[str] | None, kwargs: Mapping[str, Any]
+    ) -> tuple[Tree, list[str]]:
+        if kwargs:
+            msg = f"delete() got unknown keyword(s) {sorted(kwargs)}"
+            raise InvalidParameterError(msg)
+        if not ids:
+            msg = "delete() needs the document ids to delete (deleting everything is refused)"
+            raise InvalidParameterError(msg)
+        return self._current_tree(), list(ids)
+
+    def _update_builder(self, tree: Tree) -> TreeBuilder:
+        """The builder the tree was built with, or one re-made from its recorded parameters."""
+        if self._tree_builder is not None:
+            return self._tree_builder
+        summarizer = None
+        if self.llm is not None:
+            from raptor_core.build.summarizers import LLMSummarizer
+
+            summarizer = LLMSummarizer(_core_llm(self.llm))
+        names = (
+            "chunk_max_tokens",
+            "summary_max_tokens",
+            "cluster_max_tokens",
+            "max_layers",
+            "min_layer_size",
+            "random_state",
+        )
+        params = {
+            name: tree.params[name]
+            for name in names
+            if isinstance(tree.params.get(name), int) and not isinstance(tree.params[name], bool)
+        }
+        self._tree_builder = TreeBuilder(self._embedder(), summarizer, **params)
+        return self._tree_builder
+
+    def _commit(self, old: Tree, result: Any) -> None:
+        """Point the retriever at the new tree; over a store, write only what changed."""
+        new: Tree = result.tree
+        if new is old:
+            return
+        if self.vectorstore is None:
+            self.tree = new
+            return
+        store = self.store
+        assert isinstance(store, LangChainNodeStore)
+        report = result.report
+        # Nodes kept whose parents changed are rewritten too: the store keeps raptor_parents.
+        write = [*report.nodes_added, *report.nodes_changed, *report.nodes_relinked]
+        if write:
+            nodes = [new.node(i) for i in write]
+            store.add(nodes, new.embeddings[new.rows(write)])
+        if report.nodes_removed:
+            store.delete(list(report.nodes_removed))
+
     # -- constructors --------------------------------------------------------------------------
     @staticmethod
     def _builder(
@@ -633,7 +781,9 @@ class RaptorRetriever(BaseRetriever):
         if fields.get("strategy") is None:
             fields.pop("strategy", None)  # unset: the field's default for this store
         if store is None:
-            return cls(tree=tree, embeddings=model, llm=llm, **fields)
+            built = cls(tree=tree, embeddings=model, llm=llm, **fields)
+            built._tree_builder = builder
+            return built
         retriever = cls(
             vectorstore=store.vectorstore,
             embeddings=model,
@@ -645,6 +795,7 @@ class RaptorRetriever(BaseRetriever):
             store.add_tree(tree)
         store.embeddings = model
         retriever._store_cache = (store.vectorstore, model, store.dialect, store)
+        retriever._tree_builder = builder
         return retriever
 
     @classmethod

@@ -5,6 +5,7 @@
 ``summarizers``  the offline extractive summariser and the LLM one
 ``builder``      :class:`TreeBuilder`, which runs the stages layer by layer
 ``cache``        a content-addressed cache of summaries and embeddings (resume a build)
+``incremental``  insert, update and delete documents without rebuilding
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from raptor_core.build.builder import TreeBuilder
 from raptor_core.build.chunking import SentenceChunker
 from raptor_core.build.clustering import GMMClusterer
+from raptor_core.build.incremental import TreeUpdate, UpdateReport
 from raptor_core.build.summarizers import ExtractiveSummarizer, LLMSummarizer
 
 __all__ = [
@@ -20,4 +22,6 @@ __all__ = [
     "LLMSummarizer",
     "SentenceChunker",
     "TreeBuilder",
+    "TreeUpdate",
+    "UpdateReport",
 ]

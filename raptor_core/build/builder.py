@@ -31,6 +31,7 @@ from raptor_core.tree import Node, Tree
 
 if TYPE_CHECKING:
     from raptor_core.build.cache import BuildCache
+    from raptor_core.build.incremental import TreeUpdate
 from raptor_core.types import (
     AsyncEmbedder,
     AsyncSummarizer,
@@ -337,6 +338,83 @@ class TreeBuilder:
             run.commit_layer(run.assemble_vectors(await run.aembed(run.texts_to_embed())))
         return run.finish()
 
+    # -- incremental updates (raptor_core.build.incremental) -----------------------------------
+    def insert(
+        self, tree: Tree, documents: Iterable[str | Document | Mapping[str, Any]]
+    ) -> TreeUpdate:
+        """Add documents to ``tree`` without rebuilding it; returns the new tree and a report.
+
+        Only the new chunks are embedded, and only the clusters they join (and those
+        clusters' ancestors) are re-summarised; every other node keeps its id, text and
+        embedding.  Plain strings get the first free ``doc-N`` ids.  The builder must use the
+        tree's embedder (and, to keep the tree consistent, its tokenizer, chunker and
+        summariser).  See :mod:`raptor_core.build.incremental` for the design.
+
+        Raises:
+            InvalidParameterError: a document id is already in the tree (use :meth:`update`),
+                or the embedder is not the tree's.
+            InvalidInputError: an empty, binary or duplicate document (before anything is
+                paid for).
+        """
+        from raptor_core.build.incremental import _UpdateRun, prepare_insert, run_sync
+
+        docs = prepare_insert(tree, documents)
+        return run_sync(_UpdateRun(self, tree, add=docs, remove=()), "insert")
+
+    def delete(self, tree: Tree, doc_ids: Iterable[str]) -> TreeUpdate:
+        """Remove documents from ``tree`` without rebuilding it.
+
+        Their leaves go, and every cluster that lost members is re-summarised from what it
+        has left (one left empty disappears), so no summary keeps text that only they had.
+
+        Raises:
+            InvalidParameterError: an id is not in the tree.
+            InvalidInputError: the ids are every document of the tree.
+        """
+        from raptor_core.build.incremental import _UpdateRun, prepare_delete, run_sync
+
+        gone = prepare_delete(tree, doc_ids)
+        return run_sync(_UpdateRun(self, tree, add=(), remove=gone), "delete")
+
+    def update(
+        self, tree: Tree, documents: Iterable[str | Document | Mapping[str, Any]]
+    ) -> TreeUpdate:
+        """Replace documents by id (an upsert: new ids are inserted).
+
+        A document whose chunks (ids derive from its id, spans and text) and metadata are
+        those already in the tree is left alone and costs nothing: see
+        ``report.docs_unchanged``.  A changed one is deleted and re-inserted in one pass.
+        """
+        from raptor_core.build.incremental import _UpdateRun, prepare_update, run_sync
+
+        docs = prepare_update(tree, documents)
+        return run_sync(_UpdateRun(self, tree, add=docs, remove=()), "update")
+
+    async def ainsert(
+        self, tree: Tree, documents: Iterable[str | Document | Mapping[str, Any]]
+    ) -> TreeUpdate:
+        """Async :meth:`insert`."""
+        from raptor_core.build.incremental import _UpdateRun, prepare_insert, run_async
+
+        docs = prepare_insert(tree, documents)
+        return await run_async(_UpdateRun(self, tree, add=docs, remove=()), "insert")
+
+    async def adelete(self, tree: Tree, doc_ids: Iterable[str]) -> TreeUpdate:
+        """Async :meth:`delete`."""
+        from raptor_core.build.incremental import _UpdateRun, prepare_delete, run_async
+
+        gone = prepare_delete(tree, doc_ids)
+        return await run_async(_UpdateRun(self, tree, add=(), remove=gone), "delete")
+
+    async def aupdate(
+        self, tree: Tree, documents: Iterable[str | Document | Mapping[str, Any]]
+    ) -> TreeUpdate:
+        """Async :meth:`update`."""
+        from raptor_core.build.incremental import _UpdateRun, prepare_update, run_async
+
+        docs = prepare_update(tree, documents)
+        return await run_async(_UpdateRun(self, tree, add=docs, remove=()), "update")
+
     def estimate(self, documents: Iterable[str | Document | Mapping[str, Any]]) -> BuildEstimate:
         """Estimate the model calls and tokens of :meth:`build`, without calling any model.
 
@@ -413,11 +491,15 @@ class _BuildRun:
         self, builder: TreeBuilder, documents: Iterable[str | Document | Mapping[str, Any]]
     ) -> None:
         builder._validate()
-        self.b = builder
         self.docs = to_documents(documents)
         if not self.docs:
             msg = "no documents to build a tree from"
             raise InvalidInputError(msg)
+        self._setup(builder)
+
+    def _setup(self, builder: TreeBuilder) -> None:
+        """Resolve the components and reset the run's state (shared with incremental updates)."""
+        self.b = builder
         self.embedder, self.summarizer, self.tokenizer, self.chunker, self.clusterer = (
             builder._components()
         )

@@ -68,6 +68,8 @@ EXPECTED_ALL = {
     "TreeLockError",
     "TreeRetriever",
     "TreeTraversalRetriever",
+    "TreeUpdate",
+    "UpdateReport",
     "ValueBasedRetriever",
     "PassageRetriever",
     "DEFAULT_STRATEGY",

@@ -1,0 +1,188 @@
+"""``raptor add``, ``raptor update`` and ``raptor remove``: change a saved tree in place.
+
+Each loads the tree, applies :meth:`TreeBuilder.insert`, :meth:`~TreeBuilder.update` or
+:meth:`~TreeBuilder.delete` with the parameters the tree was built with, and saves it back
+atomically (a crash before or during the save leaves the previous tree).  Summaries are
+cached in ``TREE/.raptor-cache`` as ``raptor build`` does, so an interrupted run that is
+repeated pays only for what it had not received.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from raptor_core._argtypes import int_range, positive_float
+from raptor_core.cli import models
+from raptor_core.cli._common import TREE_FILE, path_text, safe
+from raptor_core.cli.build import _print_usage, _progress_bars
+from raptor_core.cli.readers import read_documents
+from raptor_core.exceptions import InvalidParameterError
+
+__all__ = ["add_parsers", "run_change"]
+
+#: Builder parameters taken from the tree's record (``TreeBuilder.get_params``).
+_FROM_TREE = (
+    "chunk_max_tokens",
+    "summary_max_tokens",
+    "cluster_max_tokens",
+    "max_layers",
+    "min_layer_size",
+    "random_state",
+)
+
+
+def _summarizer_default(tree: Any) -> tuple[str, str | None]:
+    """``(llm, model)`` of the tree's summariser record: keep summarising the way it was."""
+    record = tree.params.get("summarizer")
+    if isinstance(record, dict) and str(record.get("class", "")).endswith(".OpenAISummarizer"):
+        model = record.get("model")
+        return "openai", model if isinstance(model, str) else None
+    return "extractive", None
+
+
+def _builder(tree: Any, args: argparse.Namespace, progress: Any, cache: Any) -> Any:
+    from raptor_core.build.builder import TreeBuilder
+
+    llm, model = _summarizer_default(tree)
+    args.llm = args.llm or llm
+    args.llm_model = args.llm_model or model or "gpt-4o-mini"
+    # build_models only picks the summariser here: the embedder is the tree's.
+    summary_args = argparse.Namespace(
+        **{**vars(args), "embedder": None, "embed_model": None},
+        embed_provider="sentence-transformers",
+    )
+    _, summarizer = models.build_models(summary_args)
+    embedder = models.query_embedder(tree, args)
+    params: dict[str, Any] = {}
+    for name in _FROM_TREE:
+        value = tree.params.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            params[name] = value
+    for component in (embedder, summarizer):
+        check = getattr(component, "check_settings", None)
+        if callable(check):
+            check()  # a missing key fails now, before anything is embedded
+    return TreeBuilder(
+        embedder,
+        summarizer,
+        max_concurrency=args.max_concurrency,
+        n_threads=args.threads,
+        progress=progress,
+        cache=cache,
+        **params,
+    )
+
+
+def run_change(args: argparse.Namespace) -> int:
+    """Run ``raptor add|update|remove`` with parsed ``args``; returns the exit status."""
+    from raptor_core.build.cache import BuildCache
+    from raptor_core.tree import Tree
+
+    started = time.perf_counter()
+    directory = Path(args.tree)
+    if not (directory / TREE_FILE).is_file():
+        msg = f"{path_text(directory)} holds no tree ({TREE_FILE}): build one with raptor build"
+        raise InvalidParameterError(msg)
+    tree = Tree.load(directory)
+    op = args.command
+    # Read and check every input before any model is loaded or called.
+    docs = read_documents(args.inputs) if op in {"add", "update"} else None
+    show = sys.stderr.isatty() and not args.quiet and not args.no_progress
+    cache = BuildCache(directory / ".raptor-cache")
+    try:
+        with _progress_bars(show) as progress:
+            builder = _builder(tree, args, progress, cache)
+            if op == "add":
+                result = builder.insert(tree, docs)
+            elif op == "update":
+                result = builder.update(tree, docs)
+            else:
+                result = builder.delete(tree, args.inputs)
+    finally:
+        cache.close()
+    if result.report.changed:
+        result.tree.save(directory)
+    if args.quiet:
+        return 0
+    _print_report(directory, op, result, time.perf_counter() - started)
+    return 0
+
+
+def _print_report(directory: Path, op: str, result: Any, seconds: float) -> None:
+    r = result.report
+    docs = []
+    for label, ids in (
+        ("added", r.docs_added),
+        ("replaced", r.docs_replaced),
+        ("removed", r.docs_removed),
+        ("unchanged", r.docs_unchanged),
+    ):
+        if ids:
+            docs.append(f"{len(ids)} {label}")
+    print(safe(f"{op} {path_text(directory)}: documents {', '.join(docs) or 'none'}"))
+    if not r.changed:
+        print("nothing changed: the tree was not rewritten")
+        return
+    sizes = ", ".join(f"L{i}={len(result.tree.layer(i))}" for i in range(result.tree.num_layers))
+    print(
+        f"nodes: {len(r.nodes_added)} added, {len(r.nodes_removed)} removed, "
+        f"{len(r.nodes_changed)} changed; nodes per layer: {sizes}"
+    )
+    print(
+        f"work: {r.summary_calls} summaries ({r.summary_tokens} tokens in), "
+        f"{r.embedded_chunks} chunks and {r.embedded_summaries} summaries embedded, "
+        f"{r.clusters_split} clusters split, {r.reclustered_subtrees} re-clustered"
+    )
+    print(f"time: update {r.seconds:.2f}s, total {seconds:.2f}s")
+    _print_usage({"layers": [], "usage": r.usage})
+
+
+def add_parsers(sub: Any) -> None:
+    """Register ``add``, ``update`` and ``remove`` on the ``raptor`` command's subparsers."""
+    positive = int_range(1)
+    helps = {
+        "add": ("add documents to a saved tree without rebuilding it", "files, folders or .jsonl"),
+        "update": (
+            "replace documents of a saved tree by id (unchanged ones cost nothing; new ids are added)",
+            "files, folders or .jsonl",
+        ),
+        "remove": ("remove documents from a saved tree by id", "document ids (see raptor inspect)"),
+    }
+    for name, (text, inputs) in helps.items():
+        p = sub.add_parser(name, help=text)
+        p.add_argument("tree", help="the tree's directory (rewritten atomically)")
+        p.add_argument(
+            "inputs", nargs="+", metavar="DOC_ID" if name == "remove" else "PATH", help=inputs
+        )
+        p.add_argument(
+            "--embedder",
+            default=None,
+            metavar="SPEC",
+            help="the tree's embedding model when it cannot be re-created from the tree "
+            "(NAME_OR_PATH or openai:MODEL)",
+        )
+        llm = p.add_argument_group("models and services (see docs/llm-services.md)")
+        llm.add_argument(
+            "--llm",
+            choices=["extractive", "openai"],
+            default=None,
+            help="summariser (default: the kind the tree was built with)",
+        )
+        llm.add_argument("--llm-model", default=None, help="chat model (default: the tree's)")
+        llm.add_argument("--llm-base-url", default=None, help="OpenAI-compatible API root")
+        llm.add_argument("--prompt-file", default=None, help="summary prompt with {context}")
+        llm.add_argument("--embed-base-url", default=None, help="embeddings API root")
+        llm.add_argument(
+            "--max-concurrency", type=positive, default=4, help="requests in flight (4)"
+        )
+        llm.add_argument(
+            "--timeout", type=positive_float, default=60.0, help="seconds per request (60)"
+        )
+        p.add_argument("--threads", type=positive, default=None, help="cap torch/BLAS threads")
+        p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        p.add_argument("--quiet", "-q", action="store_true", help="print nothing on success")
+        p.set_defaults(func=run_change, embed_model=None)

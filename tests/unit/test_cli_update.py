@@ -1,0 +1,132 @@
+"""``raptor add``, ``raptor update`` and ``raptor remove`` through the installed command.
+
+The trees are built with the fakes (FakeEmbedder is re-created from the tree's record), so
+no model is loaded and each command runs in a real process in about a second.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from raptor_core.build.builder import TreeBuilder
+from raptor_core.testing import EchoSummarizer, FakeEmbedder, GroupClusterer, check_tree_invariants
+from raptor_core.tree import Tree
+
+TOPICS = {
+    "cats.txt": "Cats purr in the sun. Kittens chase string. A cat sleeps all day. Felines hunt mice.",
+    "rockets.txt": "Rockets burn fuel. Boosters lift satellites. Orbit needs speed. Engines roar at launch.",
+    "bread.txt": "Bread needs flour. Yeast makes dough rise. Ovens bake the loaf. Crust turns brown.",
+}
+
+
+def raptor_command() -> list[str]:
+    script = Path(sys.executable).parent / "raptor"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "raptor_core.cli"]
+
+
+def run(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*raptor_command(), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=120,
+        check=False,
+        **kw,
+    )
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[Path, Path]:
+    """A saved tree over cats and rockets, and a folder with all three files."""
+    files = tmp_path / "docs"
+    files.mkdir()
+    for name, text in TOPICS.items():
+        (files / name).write_text(text, encoding="utf-8")
+    docs = [
+        {"doc_id": str(files / n), "text": TOPICS[n], "metadata": {"source": str(files / n)}}
+        for n in ("cats.txt", "rockets.txt")
+    ]
+    builder = TreeBuilder(
+        FakeEmbedder(16), EchoSummarizer(), clusterer=GroupClusterer(2), chunk_max_tokens=8
+    )
+    tree_dir = tmp_path / "tree"
+    builder.build(docs).save(tree_dir)
+    return tree_dir, files
+
+
+def test_add_update_remove_round_trip(setup: tuple[Path, Path]) -> None:
+    tree_dir, files = setup
+    before = Tree.load(tree_dir)
+    assert before.num_layers >= 2
+
+    added = run("add", str(tree_dir), str(files / "bread.txt"), "--no-progress")
+    assert added.returncode == 0, added.stderr
+    assert "1 added" in added.stdout and "summaries" in added.stdout
+    grown = Tree.load(tree_dir)
+    check_tree_invariants(grown, extractive=True)
+    assert grown.doc_ids == (*before.doc_ids, str(files / "bread.txt"))
+    for node in before.leaves:
+        assert np.array_equal(
+            before.embeddings[before.row(node.id)], grown.embeddings[grown.row(node.id)]
+        )
+
+    saved = (tree_dir / "tree.json").read_bytes()
+    same = run("update", str(tree_dir), str(files / "bread.txt"), "--no-progress")
+    assert same.returncode == 0, same.stderr
+    assert "1 unchanged" in same.stdout and "nothing changed" in same.stdout
+    assert (tree_dir / "tree.json").read_bytes() == saved
+
+    (files / "bread.txt").write_text("Sourdough needs a starter. It ferments slowly.", "utf-8")
+    changed = run("update", str(tree_dir), str(files / "bread.txt"), "--no-progress")
+    assert changed.returncode == 0, changed.stderr
+    assert "1 replaced" in changed.stdout
+    replaced = Tree.load(tree_dir)
+    assert any("Sourdough" in n.text for n in replaced.leaves)
+    assert not any("Yeast" in n.text for n in replaced.nodes)
+
+    removed = run("remove", str(tree_dir), str(files / "bread.txt"), "--no-progress")
+    assert removed.returncode == 0, removed.stderr
+    assert "1 removed" in removed.stdout
+    shrunk = Tree.load(tree_dir)
+    check_tree_invariants(shrunk, extractive=True)
+    assert shrunk.doc_ids == before.doc_ids
+    assert not any("Sourdough" in n.text for n in shrunk.nodes)
+
+
+@pytest.mark.parametrize(
+    ("command", "target", "message"),
+    [
+        ("add", "cats.txt", "raptor update"),
+        ("remove", "no-such-doc", "unknown document id"),
+        ("add", "binary.bin", "binary"),
+    ],
+)
+def test_mistakes_are_one_line_and_leave_the_tree(
+    setup: tuple[Path, Path], command: str, target: str, message: str
+) -> None:
+    tree_dir, files = setup
+    (files / "binary.bin").write_bytes(b"\x00\x01\x02binary\xff" * 20)
+    saved = (tree_dir / "tree.json").read_bytes()
+    arg = target if command == "remove" else str(files / target)
+    proc = run(command, str(tree_dir), arg, "--no-progress")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"raptor {command}: error:"), proc.stderr
+    assert message in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert (tree_dir / "tree.json").read_bytes() == saved
+
+
+def test_a_directory_without_a_tree_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("Some text here.", "utf-8")
+    proc = run("add", str(tmp_path / "nothing"), str(tmp_path / "a.txt"))
+    assert proc.returncode == 2
+    assert "holds no tree" in proc.stderr and "raptor build" in proc.stderr

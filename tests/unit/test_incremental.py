@@ -1,0 +1,332 @@
+"""Incremental trees (issue 13) with fakes: local maintenance, stable nodes, errors, determinism."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from raptor_core import InvalidInputError, InvalidParameterError, Tree, TreeBuilder
+from raptor_core.build.incremental import TreeUpdate, UpdateReport
+from raptor_core.testing import (
+    EchoSummarizer,
+    FakeEmbedder,
+    GroupClusterer,
+    WhitespaceTokenizer,
+    check_tree_invariants,
+)
+from raptor_core.types import Document
+
+TOPICS = {
+    "cats": "cat kitten purr whisker feline meow paw tail",
+    "rockets": "rocket orbit launch fuel thrust booster satellite engine",
+    "bread": "bread flour yeast dough oven crust knead loaf",
+    "rivers": "river delta stream bank flood current estuary basin",
+    "music": "violin cello melody rhythm chord tempo orchestra score",
+    "chess": "chess knight bishop rook pawn gambit castle checkmate",
+}
+
+
+def doc(name: str, n: int = 6, marker: str = "", doc_id: str | None = None) -> Document:
+    words = TOPICS[name].split()
+    sentences = [
+        f"The {words[i % 8]} and the {words[(i + 3) % 8]} meet {words[(i + 5) % 8]} {marker} {i}."
+        for i in range(n)
+    ]
+    return Document(text=" ".join(sentences), doc_id=doc_id or name)
+
+
+def builder(summarizer: EchoSummarizer | None = None, **kw: object) -> TreeBuilder:
+    params: dict[str, object] = {
+        "tokenizer": WhitespaceTokenizer(),
+        "clusterer": GroupClusterer(3),
+        "chunk_max_tokens": 12,
+        "summary_max_tokens": 12,
+        "random_state": 0,
+    }
+    params.update(kw)
+    return TreeBuilder(FakeEmbedder(), summarizer or EchoSummarizer(), **params)  # type: ignore[arg-type]
+
+
+def base_tree(b: TreeBuilder) -> Tree:
+    return b.build([doc(name) for name in ("cats", "rockets", "bread", "rivers", "music")])
+
+
+def same_node(a: Tree, b: Tree, node_id: str) -> bool:
+    return a.node(node_id).text == b.node(node_id).text and np.array_equal(
+        a.embeddings[a.row(node_id)], b.embeddings[b.row(node_id)]
+    )
+
+
+def test_insert_is_local_and_keeps_untouched_nodes_bit_for_bit() -> None:
+    summarizer = EchoSummarizer()
+    b = builder(summarizer)
+    tree = base_tree(b)
+    build_calls = len(summarizer.calls)
+    summarizer.calls.clear()
+
+    result = b.insert(tree, [doc("chess", marker="zugzwang")])
+
+    assert isinstance(result, TreeUpdate) and isinstance(result.report, UpdateReport)
+    new, report = result.tree, result.report
+    check_tree_invariants(new, extractive=True)
+    assert new.doc_ids == (*tree.doc_ids, "chess")
+    assert report.docs_added == ("chess",)
+    assert report.summary_calls == len(summarizer.calls) < build_calls
+    new_leaves = {n.id for n in new.leaves if n.doc_id == "chess"}
+    assert report.embedded_chunks == len(new_leaves) > 0
+    # Every summary made is an ancestor of a new leaf: nothing else was re-summarised.
+    touched = {a.id for leaf in new_leaves for a in new.ancestors(leaf)}
+    assert set(report.nodes_added) - new_leaves <= touched
+    # What went are the old versions of those summaries: no leaf, no more than were made.
+    assert all(tree.node(i).layer > 0 for i in report.nodes_removed)
+    assert len(report.nodes_removed) <= len(set(report.nodes_added) - new_leaves)
+    # Untouched nodes keep id, text and embedding bit for bit; removed ones are the
+    # ancestors of what changed.
+    for node in tree.nodes:
+        if node.id in new:
+            assert same_node(tree, new, node.id)
+    kept = [n.id for n in tree.nodes if n.id in new]
+    assert len(kept) == len(tree) - len(report.nodes_removed)
+    assert set(report.nodes_added) == {n.id for n in new.nodes} - {n.id for n in tree.nodes}
+
+
+def test_insert_then_delete_gives_back_the_same_nodes() -> None:
+    b = builder()
+    tree = base_tree(b)
+    grown = b.insert(tree, [doc("chess")]).tree
+    back = b.delete(grown, ["chess"])
+    check_tree_invariants(back.tree, extractive=True)
+    assert {n.id for n in back.tree.nodes} == {n.id for n in tree.nodes}
+    for node in tree.nodes:
+        assert same_node(tree, back.tree, node.id)
+    assert back.report.docs_removed == ("chess",)
+    assert back.report.embedded_chunks == 0
+
+
+def test_delete_leaves_no_text_of_the_document() -> None:
+    summarizer = EchoSummarizer()
+    b = builder(summarizer)
+    tree = b.build([doc("cats"), doc("rockets", marker="kerosene"), doc("bread"), doc("rivers")])
+    assert any("kerosene" in n.text for n in tree.nodes if n.layer > 0)
+    summarizer.calls.clear()
+
+    result = b.delete(tree, ["rockets"])
+
+    new = result.tree
+    check_tree_invariants(new, extractive=True)
+    assert "rockets" not in new.doc_ids
+    assert all("kerosene" not in n.text and "rockets" not in n.doc_ids for n in new.nodes)
+    assert all("kerosene" not in t for call in summarizer.calls for t in call)
+    assert result.report.summary_calls == len(summarizer.calls)
+    # The clusters that held only that document are gone, not re-summarised.
+    only_rockets = [n.id for n in tree.nodes if n.doc_ids == ("rockets",)]
+    assert only_rockets and all(i in result.report.nodes_removed for i in only_rockets)
+
+
+def test_update_unchanged_is_free_and_changed_is_replaced() -> None:
+    summarizer = EchoSummarizer()
+    embedder = FakeEmbedder()
+    b = builder(summarizer)
+    b.embedder = embedder
+    tree = base_tree(b)
+    summarizer.calls.clear()
+    before = embedder.texts_embedded
+
+    same = b.update(tree, [doc("cats"), doc("bread")])
+    assert same.tree is tree and not same.report.changed
+    assert same.report.docs_unchanged == ("cats", "bread")
+    assert summarizer.calls == [] and embedder.texts_embedded == before
+
+    changed = b.update(tree, [doc("cats"), doc("bread", marker="sourdough"), doc("chess")])
+    report = changed.report
+    check_tree_invariants(changed.tree, extractive=True)
+    assert report.docs_unchanged == ("cats",)
+    assert report.docs_replaced == ("bread",) and report.docs_added == ("chess",)
+    assert report.docs_changed == ("chess", "bread")
+    assert changed.tree.doc_ids.count("bread") == 1
+    assert any("sourdough" in n.text for n in changed.tree.leaves)
+    assert all(
+        "sourdough" in n.text for n in changed.tree.leaves if n.doc_id == "bread"
+    )  # no old leaf of bread is left
+    assert all(n.id in changed.tree for n in tree.leaves if n.doc_id == "cats")
+
+
+def test_update_of_metadata_only_keeps_leaf_ids() -> None:
+    b = builder()
+    tree = base_tree(b)
+    bread = doc("bread")
+    tagged = Document(text=bread.text, doc_id="bread", metadata={"shelf": "bakery"})
+    result = b.update(tree, [tagged])
+    old_ids = [n.id for n in tree.leaves if n.doc_id == "bread"]
+    assert set(old_ids) <= set(result.report.nodes_changed)
+    for node_id in old_ids:
+        assert result.tree.node(node_id).metadata == {"shelf": "bakery"}
+    check_tree_invariants(result.tree, extractive=True)
+
+
+def test_same_operations_give_the_same_tree() -> None:
+    def run() -> Tree:
+        b = builder()
+        tree = base_tree(b)
+        tree = b.insert(tree, [doc("chess")]).tree
+        tree = b.delete(tree, ["bread"]).tree
+        return b.update(tree, [doc("cats", marker="tabby")]).tree
+
+    one, two = run(), run()
+    assert [n.id for n in one.nodes] == [n.id for n in two.nodes]
+    assert [n.text for n in one.nodes] == [n.text for n in two.nodes]
+    assert np.array_equal(one.embeddings, two.embeddings)
+
+
+def test_async_twins_match_sync() -> None:
+    b = builder()
+    tree = base_tree(b)
+    sync = b.insert(tree, [doc("chess")]).tree
+    asynced = asyncio.run(b.ainsert(tree, [doc("chess")])).tree
+    assert [n.id for n in sync.nodes] == [n.id for n in asynced.nodes]
+    assert np.array_equal(sync.embeddings, asynced.embeddings)
+    deleted = asyncio.run(b.adelete(sync, ["chess"])).tree
+    assert {n.id for n in deleted.nodes} == {n.id for n in tree.nodes}
+    updated = asyncio.run(b.aupdate(tree, [doc("cats", marker="tabby")]))
+    assert updated.report.docs_replaced == ("cats",)
+
+
+def test_plain_strings_get_free_ids() -> None:
+    b = builder()
+    tree = b.build(["cat kitten purr. whisker feline meow.", "rocket orbit launch. fuel thrust."])
+    result = b.insert(tree, ["bread flour yeast. dough oven crust."])
+    assert result.tree.doc_ids == ("doc-0", "doc-1", "doc-2")
+
+
+def test_split_when_a_cluster_outgrows_the_limit() -> None:
+    b = builder(cluster_max_tokens=40)
+    tree = base_tree(b)
+    result = b.insert(tree, [doc("cats", doc_id="cats2")])
+    check_tree_invariants(result.tree, extractive=True)
+    assert result.report.clusters_split >= 1
+    for node in result.tree.nodes:
+        if len(node.children) > 1:
+            assert sum(c.token_count for c in result.tree.children(node.id)) <= 40
+
+
+def test_drift_reclusters_the_drifting_cluster_only() -> None:
+    b = builder()
+    tree = base_tree(b)
+    floors = [2.0] * (tree.num_layers - 1)  # above any cohesion: every changed cluster drifts
+    drifting = Tree(
+        nodes=tree.nodes,
+        embeddings=tree.embeddings,
+        params=tree.params,
+        build_info={**tree.build_info, "incremental": {"cohesion_floor": floors}},
+    )
+    calm = b.insert(tree, [doc("cats", n=12, doc_id="cats2")])
+    result = b.insert(drifting, [doc("cats", n=12, doc_id="cats2")])
+    check_tree_invariants(result.tree, extractive=True)
+    assert calm.report.reclustered_subtrees == 0
+    assert result.report.reclustered_subtrees >= 1
+    # Still local: only clusters that changed anyway are re-clustered (a part of one may be
+    # its old member list again, which keeps its old id).
+    assert set(result.report.nodes_removed) <= set(calm.report.nodes_removed)
+    assert result.tree.build_info["incremental"]["cohesion_floor"] == floors
+
+
+def test_report_and_tree_survive_save_and_load(tmp_path) -> None:
+    b = builder()
+    result = b.insert(base_tree(b), [doc("chess")])
+    info = result.tree.build_info
+    assert info["documents"] == 6 and info["incremental"]["updates"] == 1
+    assert info["incremental"]["last"]["op"] == "insert"
+    loaded = Tree.load(result.tree.save(tmp_path / "t"))
+    assert [n.id for n in loaded.nodes] == [n.id for n in result.tree.nodes]
+    assert result.report.to_dict()["nodes_added"] == len(result.report.nodes_added)
+    assert result.report.to_dict(ids=True)["nodes_added"] == list(result.report.nodes_added)
+
+
+@pytest.mark.parametrize(
+    ("documents", "error", "match"),
+    [
+        ([Document(text="cat purr", doc_id="cats")], InvalidParameterError, "update()"),
+        ([Document(text="   ", doc_id="x")], InvalidInputError, "empty"),
+        ([Document(text="abc\x00\x01\x02def", doc_id="x")], InvalidInputError, "binary"),
+        ([], InvalidInputError, "no documents"),
+        ("a single string", InvalidParameterError, "list"),
+    ],
+)
+def test_bad_inserts_are_refused_before_anything_is_paid(
+    documents: object, error: type[Exception], match: str
+) -> None:
+    summarizer = EchoSummarizer()
+    embedder = FakeEmbedder()
+    b = builder(summarizer)
+    b.embedder = embedder
+    tree = base_tree(b)
+    summarizer.calls.clear()
+    embedded = embedder.texts_embedded
+    with pytest.raises(error, match=match):
+        b.insert(tree, documents)  # type: ignore[arg-type]
+    assert summarizer.calls == [] and embedder.texts_embedded == embedded
+
+
+def test_bad_deletes_are_refused() -> None:
+    b = builder()
+    tree = b.build([doc("cats"), doc("bread")])
+    with pytest.raises(InvalidParameterError, match=r"unknown document id.*'nope'"):
+        b.delete(tree, ["nope"])
+    with pytest.raises(InvalidParameterError, match="wrap it in a list"):
+        b.delete(tree, "cats")
+    with pytest.raises(InvalidInputError, match="empty tree"):
+        b.delete(tree, ["cats", "bread"])
+
+
+def test_another_embedder_is_refused() -> None:
+    b = builder()
+    tree = base_tree(b)
+    other = TreeBuilder(FakeEmbedder(dim=32), EchoSummarizer(), tokenizer=WhitespaceTokenizer())
+    with pytest.raises(InvalidParameterError, match="same embedder"):
+        other.insert(tree, [doc("chess")])
+
+
+def test_a_tree_of_leaves_only_grows_at_layer_zero() -> None:
+    b = builder()
+    tree = b.build([doc("cats", n=1)])
+    assert tree.num_layers == 1
+    result = b.insert(tree, [doc("bread", n=1)])
+    assert result.tree.num_layers == 1 and len(result.tree) == 2
+    assert result.report.summary_calls == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_operation_sequences_keep_every_invariant(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    b = builder(
+        clusterer=GroupClusterer(int(rng.integers(2, 5))),
+        cluster_max_tokens=int(rng.choice([40, 80, 3500])),
+    )
+    names = list(TOPICS)
+    present = {name: doc(name, n=int(rng.integers(1, 8))) for name in names[:3]}
+    tree = b.build(list(present.values()))
+    for step in range(8):
+        op = rng.choice(["insert", "delete", "update"])
+        absent = [n for n in names if n not in present]
+        if op == "insert" and absent:
+            name = str(rng.choice(absent))
+            present[name] = doc(name, n=int(rng.integers(1, 8)), marker=f"m{step}")
+            result = b.insert(tree, [present[name]])
+        elif op == "delete" and len(present) > 1:
+            name = str(rng.choice(sorted(present)))
+            del present[name]
+            result = b.delete(tree, [name])
+        else:
+            name = str(rng.choice(sorted(present)))
+            present[name] = doc(name, n=int(rng.integers(1, 8)), marker=f"u{step}")
+            result = b.update(tree, [present[name]])
+        tree = result.tree
+        check_tree_invariants(tree, extractive=True)
+        assert set(tree.doc_ids) == set(present)
+        for leaf in tree.leaves:
+            assert leaf.text in present[str(leaf.doc_id)].text
+        for node in tree.nodes:
+            if len(node.children) > 1:
+                assert sum(c.token_count for c in tree.children(node.id)) <= b.cluster_max_tokens
