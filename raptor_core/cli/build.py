@@ -111,17 +111,21 @@ def _probe_writable(out: Path) -> None:
         os.fsync(probe.fileno())
 
 
-def _read_inputs(args: argparse.Namespace) -> list[Any]:
-    """The documents named on the command line; each file skipped in a folder is one line."""
+def read_inputs(args: argparse.Namespace, paths: list[str]) -> list[Any]:
+    """The documents named on the command line; each file skipped in a folder is one line.
+
+    ``args`` carries the input options of :func:`add_input_arguments`.
+    """
     skipped = 0
+    command = f"raptor {args.command}"
 
     def report_skip(path: Path, reason: str) -> None:
         nonlocal skipped
         skipped += 1
-        print(one_line(f"raptor build: skipped {path_text(path)}: {reason}"), file=sys.stderr)
+        print(one_line(f"{command}: skipped {path_text(path)}: {reason}"), file=sys.stderr)
 
     docs = read_documents(
-        args.paths,
+        paths,
         text_field=args.text_field,
         include=args.glob or (),
         exclude=args.exclude or (),
@@ -129,10 +133,34 @@ def _read_inputs(args: argparse.Namespace) -> list[Any]:
     )
     if skipped:
         print(
-            f"raptor build: skipped {skipped} file(s), read {len(docs)} document(s)",
+            f"{command}: skipped {skipped} file(s), read {len(docs)} document(s)",
             file=sys.stderr,
         )
     return docs
+
+
+def add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--text-field``, ``--glob`` and ``--exclude``: how files become documents."""
+    inputs = parser.add_argument_group("inputs (see docs/cli.md)")
+    inputs.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help=".jsonl field / .csv column holding the text (default text); the others "
+        "become metadata",
+    )
+    inputs.add_argument(
+        "--glob",
+        action="append",
+        metavar="PATTERN",
+        help="in folders, read only files matching PATTERN (repeatable), e.g. '*.md'",
+    )
+    inputs.add_argument(
+        "--exclude",
+        action="append",
+        metavar="PATTERN",
+        help="in folders, leave out files matching PATTERN (repeatable), e.g. 'drafts/*'",
+    )
 
 
 def run_build(args: argparse.Namespace) -> int:
@@ -143,7 +171,7 @@ def run_build(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not args.dry_run:
         _check_out(out, overwrite=args.overwrite)
-    docs = _read_inputs(args)
+    docs = read_inputs(args, args.paths)
     embedder, summarizer = models.build_models(args)
     builder_args: dict[str, Any] = {
         "chunk_max_tokens": args.chunk_tokens,
@@ -208,26 +236,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         nargs="+",
         help="files or folders: .txt .md .rst .html .pdf .docx, and records in .jsonl .csv .tsv",
     )
-    inputs = build.add_argument_group("inputs (see docs/cli.md)")
-    inputs.add_argument(
-        "--text-field",
-        default="text",
-        metavar="NAME",
-        help=".jsonl field / .csv column holding the text (default text); the others "
-        "become metadata",
-    )
-    inputs.add_argument(
-        "--glob",
-        action="append",
-        metavar="PATTERN",
-        help="in folders, read only files matching PATTERN (repeatable), e.g. '*.md'",
-    )
-    inputs.add_argument(
-        "--exclude",
-        action="append",
-        metavar="PATTERN",
-        help="in folders, leave out files matching PATTERN (repeatable), e.g. 'drafts/*'",
-    )
+    add_input_arguments(build)
     build.add_argument("--out", required=True, help="directory to write the tree to")
     build.add_argument("--overwrite", action="store_true", help="replace the tree already in --out")
     build.add_argument(

@@ -41,6 +41,24 @@ def layer_rows(tree: Any) -> list[dict[str, Any]]:
 HTML_STRATEGIES = ("collapsed", "traversal", "value", "mmr", "passage")
 
 
+#: Documents listed by the plain-text ``raptor inspect``.
+_DOCUMENTS_SHOWN = 50
+
+
+def document_rows(tree: Any) -> list[dict[str, Any]]:
+    """Each document of the tree: its id, number of leaves and leaf tokens, by id."""
+    leaves: dict[str, list[int]] = {}
+    for node in tree.nodes:
+        if node.layer == 0 and node.doc_id is not None:
+            counts = leaves.setdefault(node.doc_id, [0, 0])
+            counts[0] += 1
+            counts[1] += node.token_count
+    return [
+        {"doc_id": doc_id, "leaves": n, "tokens": tokens}
+        for doc_id, (n, tokens) in sorted(leaves.items())
+    ]
+
+
 def _precompute(tree: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run each ``--query`` with the tree's embedding model; node ids per query."""
     if not args.query:
@@ -104,8 +122,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         return 0
     info = tree.build_info
     rows = layer_rows(tree)
+    documents = document_rows(tree)
     if args.json:
-        print(safe_json({"layers": rows, "params": tree.params, "build_info": info}, indent=2))
+        report = {"layers": rows, "documents": documents, "params": tree.params, "build_info": info}
+        print(safe_json(report, indent=2))
         return 0
     print(
         safe(
@@ -124,6 +144,12 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(safe(f"  {key}: {shown}"))
     if info.get("stop_reason"):
         print(safe(f"stopped: {info['stop_reason']}"))
+    # The ids `raptor remove` and `raptor update` take; a long list is cut (--json has all).
+    print("documents (id: leaves, tokens):")
+    for row in documents[:_DOCUMENTS_SHOWN]:
+        print(safe(f"  {row['doc_id']}: {row['leaves']}, {row['tokens']}"))
+    if len(documents) > _DOCUMENTS_SHOWN:
+        print(f"  ... and {len(documents) - _DOCUMENTS_SHOWN} more (raptor inspect --json)")
     return 0
 
 

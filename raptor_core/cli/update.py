@@ -18,8 +18,12 @@ from typing import Any
 from raptor_core._argtypes import int_range, positive_float
 from raptor_core.cli import models
 from raptor_core.cli._common import TREE_FILE, path_text, safe
-from raptor_core.cli.build import _print_usage, _progress_bars
-from raptor_core.cli.readers import read_documents
+from raptor_core.cli.build import (
+    _print_usage,
+    _progress_bars,
+    add_input_arguments,
+    read_inputs,
+)
 from raptor_core.exceptions import InvalidParameterError
 
 __all__ = ["add_parsers", "run_change"]
@@ -90,7 +94,7 @@ def run_change(args: argparse.Namespace) -> int:
     tree = Tree.load(directory)
     op = args.command
     # Read and check every input before any model is loaded or called.
-    docs = read_documents(args.inputs) if op in {"add", "update"} else None
+    docs = read_inputs(args, args.inputs) if op in {"add", "update"} else None
     show = sys.stderr.isatty() and not args.quiet and not args.no_progress
     cache = BuildCache(directory / ".raptor-cache")
     try:
@@ -158,6 +162,8 @@ def add_parsers(sub: Any) -> None:
         p.add_argument(
             "inputs", nargs="+", metavar="DOC_ID" if name == "remove" else "PATH", help=inputs
         )
+        if name != "remove":
+            add_input_arguments(p)
         p.add_argument(
             "--embedder",
             default=None,
