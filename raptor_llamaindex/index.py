@@ -194,11 +194,13 @@ class RaptorIndexStruct(IndexStruct):
     load validates it strictly and never imports, opens or fetches anything it names.
     """
 
-    format_version: int = _STRUCT_VERSION
-    retriever: dict[str, Any] = field(default_factory=dict)
-    builder: dict[str, Any] = field(default_factory=dict)
-    params: dict[str, Any] = field(default_factory=dict)
-    documents: list[dict[str, Any]] | None = None
+    # Typed Any so that dataclasses-json hands back whatever the file holds: the shapes are
+    # checked by a load (_checked_struct), with errors that say what is wrong.
+    format_version: Any = _STRUCT_VERSION
+    retriever: Any = field(default_factory=dict)
+    builder: Any = field(default_factory=dict)
+    params: Any = field(default_factory=dict)
+    documents: Any = None
 
     @classmethod
     def get_type(cls) -> IndexStructType:
