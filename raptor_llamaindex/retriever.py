@@ -172,7 +172,8 @@ class RaptorRetriever(BaseRetriever):
         ``pip install 'raptor-retriever[llamaindex]'``
 
     Key init args:
-        tree: the RAPTOR tree (``RaptorIndex.tree``, ``Tree.load(dir)`` or ``TreeBuilder``).
+        tree: the RAPTOR tree (``Tree.load(dir)`` or ``TreeBuilder``), or a NodeStore
+            holding one (``RaptorIndex.store``: a ``LlamaIndexNodeStore`` over a vector store).
         embed_model: the model the tree was built with: a LlamaIndex ``BaseEmbedding`` or a
             raptor_core ``Embedder``.  Default: the embedder recorded in the tree when a load
             may create it by itself (a local sentence-transformers model by name, see
@@ -180,6 +181,9 @@ class RaptorRetriever(BaseRetriever):
             recording no embedder gets the packaged all-MiniLM-L6-v2.
         strategy: ``"passage"`` (default), ``"collapsed"``, ``"traversal"``, ``"value"``,
             ``"mmr"``, ``"llm"``, ``"hybrid"``.
+        filters: LlamaIndex ``MetadataFilters`` on the documents' metadata (``doc_id`` /
+            ``ref_doc_id`` mean the node's document); translated to the core filter
+            dialect, so every strategy and store applies them alike.
         similarity_top_k: maximum number of nodes returned (the core's ``k``).
         max_tokens: token budget for all returned nodes together (the paper uses 2,000);
             ``None`` for no budget.
