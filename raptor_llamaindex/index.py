@@ -334,7 +334,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         if index_struct is None:
             builder_kwargs, retriever_kwargs = self._split_kwargs(kwargs)
             items = list(nodes or [])
-            docs = to_core_documents(items)
+            docs = to_core_documents(items)  # bad input fails here, before any model call
             index_struct = RaptorIndexStruct(
                 retriever={**excluded_metadata_keys(items), **retriever_kwargs},
                 builder=_jsonable_builder_args(builder_kwargs),
@@ -349,7 +349,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
                 )
                 raise InvalidParameterError(msg)
             builder_kwargs = {**index_struct.builder, **kwargs}
-            docs = []
+            items, docs = [], []
         self._store = LlamaIndexNodeStore(
             storage_context.vector_store,
             docstore=storage_context.docstore,
@@ -380,7 +380,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         if building:
             self._documents = []
             if docs:
-                self._update(added=docs, show_progress=show_progress)
+                self._update(added=items, show_progress=show_progress)
             else:
                 self._save_struct(_empty_tree(self._embedder), [])
 
@@ -471,7 +471,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         )
         index._merge_excluded_keys(items)
         if docs:
-            await index._aupdate(added=docs, show_progress=show_progress)
+            await index._aupdate(added=items, show_progress=show_progress)
         return index
 
     @classmethod
@@ -560,7 +560,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         """
         docs = self._next_documents(added, removed)
         self._write(self._build(docs, show_progress=show_progress), docs)
-        self._merge_excluded_keys(added)
+        self._after_update(added, removed)
 
     async def _aupdate(
         self, *, added: Sequence[Any] = (), removed: Sequence[str] = (), show_progress: bool = False
@@ -569,7 +569,18 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         docs = self._next_documents(added, removed)
         tree = await self._abuild(docs, show_progress=show_progress)
         await asyncio.to_thread(self._write, tree, docs)
+        self._after_update(added, removed)
+
+    def _after_update(self, added: Sequence[Any], removed: Sequence[str]) -> None:
         self._merge_excluded_keys(added)
+        # Document hashes in the docstore, as BaseIndex keeps them: refresh_ref_docs then
+        # updates only documents that changed.
+        for doc_id in removed:
+            self._docstore.delete_document(doc_id, raise_error=False)
+        for item in added:
+            if isinstance(item, BaseNode):
+                self._docstore.set_document_hash(item.node_id, item.hash)
+        self._storage_context.index_store.add_index_struct(self._index_struct)
 
     def _write(self, tree: Tree, docs: list[Document] | None) -> None:
         """Make the vector store hold exactly ``tree``: upsert its nodes, delete the rest."""

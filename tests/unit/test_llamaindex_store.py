@@ -353,3 +353,15 @@ def test_legacy_persist_and_load_still_work(tmp_path: Path) -> None:
     loaded = RaptorIndex.load(tmp_path, embed_model=FakeEmbedder(32))
     assert isinstance(loaded.storage_context.vector_store, SimpleVectorStore)
     assert answers(loaded, "cats") == answers(index, "cats")
+
+
+def test_refresh_ref_docs_updates_only_what_changed() -> None:
+    index = RaptorIndex.from_documents(documents(), **options())
+    changed = Document(text="Bread needs flour, water and salt. Ovens bake loaves.", id_="bread")
+    new = Document(text="Volcanoes erupt lava. Magma rises from the mantle.", id_="volcano")
+    assert index.refresh_ref_docs([*documents()[:2], changed, new]) == [False, False, True, True]
+    assert index.ref_doc_ids == ("cats", "rockets", "bread", "volcano")
+    assert "flour" in " ".join(n.text for n in index.store if n.doc_id == "bread")
+    assert set(index.storage_context.vector_store.data.embedding_dict) == {
+        n.id for n in index.tree.nodes
+    }
