@@ -367,8 +367,9 @@ class _Row:
 class _Backend:
     """The generic backend: the public ``BasePydanticVectorStore`` API only."""
 
-    #: the store takes nested MetadataFilters
-    nested = True
+    #: the store takes nested MetadataFilters (not every integration does: only flat
+    #: conditions are pushed down to an unknown store, the rest is checked in Python)
+    nested = False
     #: the store returns vectors (else scores are the store's own similarities)
     has_vectors = False
 
@@ -486,6 +487,7 @@ class _SimpleBackend(_Backend):
 class _ChromaBackend(_Backend):
     """``ChromaVectorStore``: vectors read back from its collection (``vector_store.client``)."""
 
+    nested = True
     has_vectors = True
 
     @property

@@ -9,17 +9,20 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("llama_index.core")
 
 from llama_index.core import Document, StorageContext, load_index_from_storage
+from llama_index.core.bridge.pydantic import PrivateAttr
 from llama_index.core.indices.base import BaseIndex
 from llama_index.core.llms import MockLLM
-from llama_index.core.schema import NodeRelationship, TextNode
+from llama_index.core.schema import BaseNode, NodeRelationship, TextNode
 from llama_index.core.vector_stores import (
     FilterCondition,
     FilterOperator,
@@ -27,6 +30,12 @@ from llama_index.core.vector_stores import (
     MetadataFilters,
     SimpleVectorStore,
 )
+from llama_index.core.vector_stores.types import (
+    BasePydanticVectorStore,
+    VectorStoreQuery,
+    VectorStoreQueryResult,
+)
+from llama_index.core.vector_stores.utils import build_metadata_filter_fn
 
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
 from raptor_core.retrieval.registry import make_retriever
@@ -96,6 +105,67 @@ def answers(index: Any, query: str, **kwargs: Any) -> list[tuple[str, float]]:
 class TestSimpleVectorStoreNodeStore(NodeStoreTests):
     def make_store(self) -> LlamaIndexNodeStore:
         return LlamaIndexNodeStore(SimpleVectorStore())
+
+
+class DictVectorStore(BasePydanticVectorStore):
+    """A store LlamaIndexNodeStore has no backend for: nodes in a dict, exact cosine search.
+
+    Like many integrations it keeps texts, returns nodes from ``get_nodes`` and filters with
+    LlamaIndex's flat ``MetadataFilters`` only.
+    """
+
+    stores_text: bool = True
+    _nodes: dict[str, BaseNode] = PrivateAttr(default_factory=dict)
+
+    @property
+    def client(self) -> None:
+        return None
+
+    def add(self, nodes: Sequence[BaseNode], **_: Any) -> list[str]:
+        for node in nodes:
+            self._nodes[node.node_id] = node
+        return [n.node_id for n in nodes]
+
+    def delete(self, ref_doc_id: str, **_: Any) -> None:
+        self._nodes = {i: n for i, n in self._nodes.items() if n.ref_doc_id != ref_doc_id}
+
+    def delete_nodes(
+        self, node_ids: list[str] | None = None, filters: Any = None, **_: Any
+    ) -> None:
+        for node_id in node_ids or []:
+            self._nodes.pop(node_id, None)
+
+    def get_nodes(
+        self, node_ids: list[str] | None = None, filters: Any = None, **_: Any
+    ) -> list[BaseNode]:
+        if node_ids is None:
+            return list(self._nodes.values())
+        return [self._nodes[i] for i in node_ids if i in self._nodes]
+
+    def query(self, query: VectorStoreQuery, **_: Any) -> VectorStoreQueryResult:
+        passes = build_metadata_filter_fn(lambda i: self._nodes[i].metadata, query.filters)
+        allowed = None if query.node_ids is None else set(query.node_ids)
+        q = np.asarray(query.query_embedding, dtype=np.float64)
+        scored = [
+            (float(np.dot(n.get_embedding(), q)), i)
+            for i, n in self._nodes.items()
+            if (allowed is None or i in allowed) and passes(i)
+        ]
+        order = sorted(range(len(scored)), key=lambda j: -scored[j][0])[: query.similarity_top_k]
+        return VectorStoreQueryResult(
+            nodes=[self._nodes[scored[j][1]] for j in order],
+            similarities=[scored[j][0] for j in order],
+            ids=[scored[j][1] for j in order],
+        )
+
+
+class TestGenericVectorStoreNodeStore(NodeStoreTests):
+    """Any other vector store, through the public BasePydanticVectorStore API only."""
+
+    def make_store(self) -> LlamaIndexNodeStore:
+        store = LlamaIndexNodeStore(DictVectorStore())
+        assert type(store.backend).__name__ == "_Backend"
+        return store
 
 
 def test_nodes_are_linked_text_nodes() -> None:
