@@ -9,6 +9,7 @@ instrumentation events (``RetrievalStartEvent``/``RetrievalEndEvent``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -65,6 +66,9 @@ RAPTOR_METADATA_KEYS = (
     "raptor_reason",
     "raptor_leaves",
 )
+
+#: Strategies that call an LLM (async end to end in the core).
+_NEEDS_LLM = frozenset({"llm", "hybrid"})
 
 #: The file ``persist`` writes next to the tree's own files.
 PARAMS_FILE = "raptor_llamaindex.json"
@@ -427,12 +431,28 @@ class RaptorRetriever(BaseRetriever):
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         self._sync_tree()
-        hits = await self._core.aretrieve(
-            query_bundle.query_str,
-            k=self.similarity_top_k,
-            max_tokens=self.max_tokens,
-            embedding=self._query_embedding(query_bundle),
-        )
+        embedding = self._query_embedding(query_bundle)
+        if isinstance(self._tree, Tree) or self.strategy in _NEEDS_LLM:
+            hits = await self._core.aretrieve(
+                query_bundle.query_str,
+                k=self.similarity_top_k,
+                max_tokens=self.max_tokens,
+                embedding=embedding,
+            )
+        else:
+            # A vector store's client blocks (HTTP, disk): embed the query with the model's
+            # async API, then search off the event loop.
+            if embedding is None:
+                embedding = [
+                    float(x) for x in await self._core.aembed_query(query_bundle.query_str)
+                ]
+            hits = await asyncio.to_thread(
+                self._core.retrieve,
+                query_bundle.query_str,
+                k=self.similarity_top_k,
+                max_tokens=self.max_tokens,
+                embedding=embedding,
+            )
         return self._to_nodes(hits)
 
     # -- persistence ---------------------------------------------------------------------------

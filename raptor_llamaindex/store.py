@@ -503,7 +503,11 @@ class _ChromaBackend(_Backend):
         embeddings = got.get("embeddings") if vectors else None
         rows = []
         for i, meta in enumerate(got["metadatas"]):
-            node = metadata_dict_to_node(meta or {}, text=got["documents"][i])
+            try:
+                node = metadata_dict_to_node(meta or {}, text=got["documents"][i])
+            except ValueError:
+                # A record LlamaIndex did not write: not a tree node, so never returned.
+                node = TextNode(id_=got["ids"][i], text=got["documents"][i] or "")
             vector = None if embeddings is None else _vector(embeddings[i])
             rows.append(_Row(node, vector))
         return rows

@@ -264,3 +264,24 @@ def test_index_in_embedded_chroma(
         embed_model=st_embedder,
     )
     assert [n.node.node_id for n in loaded.as_retriever().retrieve(question)] == before
+
+
+def test_foreign_records_in_the_collection_are_never_returned(tmp_path: Any) -> None:
+    """A record written by someone else (no LlamaIndex node content) is left alone."""
+    import chromadb
+
+    from raptor_core.testing import store_tree
+
+    client = chromadb.PersistentClient(path=str(tmp_path / "db"))
+    vector_store = chroma_store(client, "mixed")
+    store = LlamaIndexNodeStore(vector_store)
+    tree = store_tree(32)
+    store.add_tree(tree)
+    vector_store.client.add(
+        ids=["foreign"], embeddings=[tree.embeddings[0].tolist()], documents=["not ours"],
+        metadatas=[{"source": "elsewhere"}],
+    )  # fmt: skip
+    assert {n.id for n in store} == {n.id for n in tree.nodes}
+    found = store.search(tree.embeddings[0], 3)
+    assert found and "foreign" not in {m.node.id for m in found}
+    assert store.get(["foreign", tree.nodes[0].id])[0].id == tree.nodes[0].id

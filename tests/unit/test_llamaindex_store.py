@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("llama_index.core")
 
 from llama_index.core import Document, StorageContext, load_index_from_storage
+from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.bridge.pydantic import PrivateAttr
 from llama_index.core.indices.base import BaseIndex
 from llama_index.core.llms import MockLLM
@@ -435,3 +436,36 @@ def test_refresh_ref_docs_updates_only_what_changed() -> None:
     assert set(index.storage_context.vector_store.data.embedding_dict) == {
         n.id for n in index.tree.nodes
     }
+
+
+class CountingEmbedding(BaseEmbedding):
+    """A LlamaIndex embedding model over FakeEmbedder that counts sync and async query calls."""
+
+    _fake: FakeEmbedder = PrivateAttr(default_factory=lambda: FakeEmbedder(32))
+    _calls: dict[str, int] = PrivateAttr(default_factory=dict)
+
+    def _count(self, name: str) -> None:
+        self._calls[name] = self._calls.get(name, 0) + 1
+
+    def _get_query_embedding(self, query: str) -> list[float]:
+        self._count("query")
+        return self._fake.embed_query(query).tolist()
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        self._count("aquery")
+        return self._fake.embed_query(query).tolist()
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return self._fake.embed_documents([text])[0].tolist()
+
+
+async def test_async_retrieval_over_the_store_uses_the_models_async_api() -> None:
+    model = CountingEmbedding()
+    index = RaptorIndex.from_documents(documents(), **options(embed_model=model))
+    model._calls.clear()
+    retriever = index.as_retriever(similarity_top_k=3)
+    nodes = await retriever.aretrieve("cats sleep")
+    assert model._calls == {"aquery": 1}  # off the loop for the store, async for the model
+    assert [(n.node.node_id, n.score) for n in nodes] == [
+        (n.node.node_id, n.score) for n in retriever.retrieve("cats sleep")
+    ]
