@@ -583,13 +583,27 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         self._storage_context.index_store.add_index_struct(self._index_struct)
 
     def _write(self, tree: Tree, docs: list[Document] | None) -> None:
-        """Make the vector store hold exactly ``tree``: upsert its nodes, delete the rest."""
-        old = (
-            {n.id for n in self._tree.nodes}
-            if self._tree is not None
-            else {n.id for n in self._store}
-        )
-        self._store.add_tree(tree)
+        """Make the vector store hold exactly ``tree``: write what changed, delete the rest.
+
+        Node ids are stable (a chunk's from its document and span, a summary's from its
+        children), so after a rebuild most nodes are equal to stored ones and are left alone.
+        """
+        before = self._tree
+        if before is None:
+            old = {n.id for n in self._store}
+            changed = list(range(len(tree)))
+        else:
+            old = {n.id for n in before.nodes}
+            changed = [
+                row
+                for row, node in enumerate(tree.nodes)
+                if node.id not in before
+                or before.node(node.id) != node
+                or not np.array_equal(before.embeddings[before.row(node.id)], tree.embeddings[row])
+            ]
+        if changed:
+            rows = np.asarray(changed, dtype=np.intp)
+            self._store.add([tree.nodes[r] for r in changed], tree.embeddings[rows])
         stale = old - {n.id for n in tree.nodes}
         if stale:
             self._store.delete(sorted(stale))

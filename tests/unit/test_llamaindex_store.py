@@ -469,3 +469,21 @@ async def test_async_retrieval_over_the_store_uses_the_models_async_api() -> Non
     assert [(n.node.node_id, n.score) for n in nodes] == [
         (n.node.node_id, n.score) for n in retriever.retrieve("cats sleep")
     ]
+
+
+def test_an_update_rewrites_only_the_nodes_that_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    index = RaptorIndex.from_documents(documents(), **options())
+    before = {n.id for n in index.tree.nodes}
+    written: list[str] = []
+    add = index.store.backend.add
+    monkeypatch.setattr(
+        index.store.backend,
+        "add",
+        lambda nodes: (written.extend(n.node_id for n in nodes), add(nodes)),
+    )
+    index.insert(Document(text="Volcanoes erupt lava. Magma rises from the mantle.", id_="volcano"))
+    after = {n.id for n in index.tree.nodes}
+    assert written and set(written) <= after
+    assert set(written) >= after - before  # every new node is written ...
+    assert len(written) < len(after)  # ... and the unchanged chunks are not
+    assert set(index.storage_context.vector_store.data.embedding_dict) == after
