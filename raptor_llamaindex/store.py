@@ -433,6 +433,10 @@ class _Backend:
         return max((_layer(n.metadata) for n in self.scan()), default=-1)
 
     def dim(self) -> int | None:
+        for node in self.scan():
+            vector = _vector(node.embedding)
+            if vector is not None:
+                return int(vector.shape[0])
         return None
 
 
@@ -776,9 +780,9 @@ class LlamaIndexNodeStore:
             raise InvalidParameterError(msg)
         q = np.asarray(vector, dtype=np.float32).reshape(-1)
         dim = self.dim
-        if dim is None:
+        if dim is None and len(self) == 0:
             return []
-        if q.shape[0] != dim:
+        if dim is not None and q.shape[0] != dim:
             msg = f"query vector has dimension {q.shape[0]} but the store holds {dim}"
             raise InvalidInputError(msg)
         if (where.layers is not None and not where.layers) or (

@@ -168,6 +168,15 @@ class TestGenericVectorStoreNodeStore(NodeStoreTests):
         assert type(store.backend).__name__ == "_Backend"
         return store
 
+    def test_a_reopened_store_searches(self) -> None:
+        """A new LlamaIndexNodeStore over a filled store learns the dimension from it."""
+        store, tree = self.filled()
+        reopened = LlamaIndexNodeStore(store.vector_store)
+        assert reopened.dim == tree.dim
+        assert [m.node.id for m in reopened.search(self.query(), 4)] == [
+            m.node.id for m in store.search(self.query(), 4)
+        ]
+
 
 def test_nodes_are_linked_text_nodes() -> None:
     tree = store_tree(32)
