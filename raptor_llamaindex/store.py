@@ -33,7 +33,8 @@ some integrations (Chroma's) ``add`` without replacing and Chroma's own upsert m
 metadata.
 
 **Backends.**  Scores are exact cosines computed from the stored vectors, read back through
-a small backend per store: ``SimpleVectorStore`` (its embedding dictionary),
+a small backend per store: ``SimpleVectorStore`` (its embedding dictionary, searched as
+its own ``query`` does, over a cached matrix),
 ``ChromaVectorStore`` (its collection, ``include=["embeddings"]``) and any other
 ``BasePydanticVectorStore`` through the public API only (``add``, ``delete_nodes``,
 ``get_nodes``, ``query``), where scores are the store's own similarities when it returns no
@@ -455,11 +456,77 @@ def _layer(meta: Mapping[str, Any] | None) -> int:
 
 
 class _SimpleBackend(_Backend):
-    """``SimpleVectorStore``: vectors and metadata in its dictionaries, texts in the docstore."""
+    """``SimpleVectorStore``: vectors and metadata in its dictionaries, texts in the docstore.
+
+    Searches compute what ``SimpleVectorStore.query`` computes (exact cosine over its
+    embedding dictionary, filters through LlamaIndex's own filter function), but over one
+    numpy matrix and boolean masks kept between writes: its ``query`` turns every stored
+    list into an array on every call, ten times slower at a few thousand nodes.  The cache
+    is keyed on the dictionary's identity and size and on our own writes, so nodes added
+    through LlamaIndex's API are seen too.
+    """
 
     nested = False  # its filter function refuses nested MetadataFilters
     has_vectors = True
     vector_store: SimpleVectorStore
+
+    def __init__(self, vector_store: SimpleVectorStore, docstore: BaseDocumentStore) -> None:
+        super().__init__(vector_store, docstore)
+        self._writes = 0
+        self._cache: tuple[Any, list[str], NDArray[np.float32]] | None = None
+        self._masks: dict[str, NDArray[np.bool_]] = {}
+
+    def add(self, nodes: Sequence[TextNode]) -> None:
+        super().add(nodes)
+        self._writes += 1
+
+    def delete(self, ids: Sequence[str]) -> None:
+        super().delete(ids)
+        self._writes += 1
+
+    def _matrix(self) -> tuple[list[str], NDArray[np.float32]]:
+        data = self.vector_store.data.embedding_dict
+        key = (id(data), len(data), self._writes)
+        if self._cache is None or self._cache[0] != key:
+            ids = list(data)
+            matrix = np.asarray([data[i] for i in ids], dtype=np.float32).reshape(len(ids), -1)
+            norms = np.linalg.norm(matrix, axis=1, keepdims=True)
+            norms[norms == 0] = 1.0
+            self._cache = (key, ids, matrix / norms)
+            self._masks.clear()
+        return self._cache[1], self._cache[2]
+
+    def query(
+        self, q: NDArray[np.float32], m: int, filters: MetadataFilters | None, ids: Any = None
+    ) -> list[tuple[str, float]]:
+        from raptor_core.retrieval.base import top_rows
+
+        order, matrix = self._matrix()
+        rows: NDArray[np.intp] | None = None
+        if filters is not None:
+            key = filters.model_dump_json()
+            mask = self._masks.get(key)
+            if mask is None:
+                metas = self.vector_store.data.metadata_dict or {}
+                passes = build_metadata_filter_fn(lambda i: metas.get(i, {}), filters)
+                mask = np.fromiter((passes(i) for i in order), dtype=np.bool_, count=len(order))
+                self._masks[key] = mask
+            rows = np.flatnonzero(mask)
+        if ids is not None:
+            wanted = set(ids)
+            allowed = np.fromiter((i in wanted for i in order), dtype=np.bool_, count=len(order))
+            rows = np.flatnonzero(allowed) if rows is None else rows[allowed[rows]]
+        if not order or (rows is not None and rows.size == 0):
+            return []
+        if rows is None:
+            scores = matrix @ q
+        elif rows.size * 4 < len(order):
+            scores = matrix[rows] @ q  # gathering a few rows beats multiplying them all
+        else:
+            scores = (matrix @ q)[rows]
+        best = top_rows(scores, min(m, scores.shape[0]))
+        positions = best if rows is None else rows[best]
+        return [(order[p], float(scores[b])) for p, b in zip(positions, best, strict=True)]
 
     def fetch(self, ids: Sequence[str]) -> list[_Row]:
         assert self.docstore is not None

@@ -496,3 +496,20 @@ def test_an_update_rewrites_only_the_nodes_that_changed(monkeypatch: pytest.Monk
     assert set(written) >= after - before  # every new node is written ...
     assert len(written) < len(after)  # ... and the unchanged chunks are not
     assert set(index.storage_context.vector_store.data.embedding_dict) == after
+
+
+def test_simple_vector_store_searches_see_writes_made_through_llamaindex() -> None:
+    tree = store_tree(32)
+    store = LlamaIndexNodeStore(SimpleVectorStore())
+    store.add_tree(tree)
+    leaf = tree.leaves[0]
+    q = -tree.embeddings[tree.row(leaf.id)]
+    assert store.search(q, 1)[0].node.id != leaf.id  # warm the cached matrix
+    # Another writer (LlamaIndex's own API) adds a node with the opposite vector.
+    from dataclasses import replace
+
+    twin = replace(leaf, id="twin", parents=())
+    text_node = node_to_text_node(twin, q)
+    store.vector_store.add([text_node])
+    store.docstore.add_documents([text_node])  # type: ignore[union-attr]
+    assert store.search(q, 1)[0].node.id == "twin"
