@@ -165,7 +165,7 @@ class TestGenericVectorStoreNodeStore(NodeStoreTests):
 
     def make_store(self) -> LlamaIndexNodeStore:
         store = LlamaIndexNodeStore(DictVectorStore())
-        assert type(store.backend).__name__ == "_Backend"
+        assert type(store.backend).__name__ == "GenericBackend"
         return store
 
     def test_a_reopened_store_searches(self) -> None:
