@@ -1,7 +1,8 @@
 """raptor_llamaindex: RAPTOR trees as a LlamaIndex retriever and index.
 
 ``RaptorIndex.from_documents(docs).as_retriever()`` is a drop-in replacement for
-``VectorStoreIndex.from_documents(docs).as_retriever()``; the model wrappers let any
+``VectorStoreIndex.from_documents(docs).as_retriever()``, and like it keeps its nodes in the
+``StorageContext``'s vector store (``LlamaIndexNodeStore``); the model wrappers let any
 LlamaIndex embedding model or LLM drive raptor_core.  Requires the ``llamaindex`` extra.
 """
 
@@ -22,6 +23,7 @@ from raptor_llamaindex.models import (  # noqa: E402
     RaptorEmbedding,
 )
 from raptor_llamaindex.retriever import RAPTOR_METADATA_KEYS, RaptorRetriever  # noqa: E402
+from raptor_llamaindex.store import LlamaIndexNodeStore  # noqa: E402
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -29,6 +31,7 @@ __all__ = [
     "RAPTOR_METADATA_KEYS",
     "LlamaIndexEmbedder",
     "LlamaIndexLLM",
+    "LlamaIndexNodeStore",
     "LlamaIndexSummarizer",
     "RaptorEmbedding",
     "RaptorIndex",

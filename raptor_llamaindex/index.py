@@ -1,23 +1,23 @@
-"""``RaptorIndex``: build, persist and query a RAPTOR tree the way a LlamaIndex index is used.
+"""``RaptorIndex``: a RAPTOR tree as a LlamaIndex index, stored in your vector store.
 
 ``RaptorIndex.from_documents(docs).as_retriever()`` replaces
 ``VectorStoreIndex.from_documents(docs).as_retriever()``; ``as_query_engine`` and
-``as_chat_engine`` work as they do on LlamaIndex indexes.  The tree is built by
-:class:`raptor_core.TreeBuilder`: this module only converts documents and routes arguments.
-
-``RaptorIndex`` is not a subclass of LlamaIndex's ``BaseIndex``: that class is built around a
-docstore, an index struct and LlamaIndex's own node parsing, none of which a RAPTOR tree
-uses.  It offers the same entry points instead (``from_documents``, ``as_retriever``,
-``as_query_engine``, ``as_chat_engine``, ``insert``, ``delete_ref_doc``) and its own
-``persist``/``load`` to a directory of plain files.
+``as_chat_engine`` work as they do on LlamaIndex indexes.  ``RaptorIndex`` is a
+``BaseIndex``: every layer of the tree lives in the ``StorageContext``'s vector store (see
+:mod:`raptor_llamaindex.store`), its :class:`RaptorIndexStruct` in the index store, and
+``load_index_from_storage`` reopens it (importing ``raptor_llamaindex`` registers the
+struct type ``"raptor"``).  The tree is built by :class:`raptor_core.TreeBuilder`: this
+module converts documents, routes arguments and keeps the store in step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +27,22 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.base.llms.base import BaseLLM
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.chat_engine.types import BaseChatEngine, ChatMode
+from llama_index.core.data_structs.data_structs import IndexStruct
+from llama_index.core.data_structs.registry import INDEX_STRUCT_TYPE_TO_INDEX_STRUCT_CLASS
+from llama_index.core.data_structs.struct_type import IndexStructType
+from llama_index.core.indices.base import BaseIndex
+from llama_index.core.indices.registry import INDEX_STRUCT_TYPE_TO_INDEX_CLASS
 from llama_index.core.llms import LLM as LlamaIndexLLMBase
 from llama_index.core.schema import BaseNode, TransformComponent
+from llama_index.core.storage.docstore.types import RefDocInfo
+from llama_index.core.storage.storage_context import StorageContext
 
 from raptor_core.build.builder import ProgressCallback, TreeBuilder, describe
-from raptor_core.exceptions import InvalidInputError, InvalidParameterError
+from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
 from raptor_core.tree import Tree
 from raptor_core.types import LLM, Document, Embedder, Summarizer
 from raptor_llamaindex.ingestion import (
+    LLAMAINDEX_NODE_KEY,
     abuild_tree,
     arun_ingestion,
     build_tree,
@@ -46,13 +54,17 @@ from raptor_llamaindex.retriever import (
     BUILDER_PARAMS,
     DEFAULT_STRATEGY,
     RaptorRetriever,
+    check_builder_section,
+    check_documents_section,
+    check_retriever_section,
     merge_retriever_params,
     read_params,
     save_with_params,
     strategy_param_names,
 )
+from raptor_llamaindex.store import LlamaIndexNodeStore
 
-__all__ = ["RaptorIndex", "to_core_documents"]
+__all__ = ["RAPTOR_INDEX_TYPE", "RaptorIndex", "RaptorIndexStruct", "to_core_documents"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +80,7 @@ _RETRIEVER_ARGS = frozenset(
 )
 #: Keywords LlamaIndex hands to both the retriever and the engine (as ``BaseIndex`` does).
 _SHARED_ARGS = frozenset({"callback_manager", "verbose"})
-_RETRIEVER_ONLY_ARGS = frozenset({"objects", "object_map"})
+_RETRIEVER_ONLY_ARGS = frozenset({"objects", "object_map", "filters"})
 
 
 def excluded_metadata_keys(items: Iterable[Any]) -> dict[str, list[str]]:
@@ -160,14 +172,74 @@ class _TqdmProgress:
         self._bars.clear()
 
 
-class RaptorIndex:
+#: The index-struct type RaptorIndex registers with LlamaIndex (``load_index_from_storage``).
+RAPTOR_INDEX_TYPE = "raptor"
+_STRUCT_VERSION = 1
+
+
+@dataclass
+class RaptorIndexStruct(IndexStruct):
+    """What LlamaIndex's index store keeps of a :class:`RaptorIndex` (``index_store.json``).
+
+    The nodes live in the vector store; this records how to use them: the retrieval
+    defaults, the plain-number build parameters, how the tree was built (``Tree.params``,
+    descriptions only) and the documents (so that updates can rebuild).  It is data: a
+    load validates it strictly and never imports, opens or fetches anything it names.
+    """
+
+    # Typed Any so that dataclasses-json hands back whatever the file holds: the shapes are
+    # checked by a load (_checked_struct), with errors that say what is wrong.
+    format_version: Any = _STRUCT_VERSION
+    retriever: Any = field(default_factory=dict)
+    builder: Any = field(default_factory=dict)
+    params: Any = field(default_factory=dict)
+    documents: Any = None
+
+    @classmethod
+    def get_type(cls) -> IndexStructType:
+        """``"raptor"``: the key of RaptorIndex in LlamaIndex's registries."""
+        return RAPTOR_INDEX_TYPE  # type: ignore[return-value]
+
+
+def _checked_struct(struct: IndexStruct) -> RaptorIndexStruct:
+    """Validate an index struct read back from an index store (it is data, see above)."""
+    where = f"index struct {str(struct.index_id)[:80]!r}"
+    if not isinstance(struct, RaptorIndexStruct):
+        msg = f"{where} is a {type(struct).__name__}, not a RaptorIndexStruct"
+        raise TreeFormatError(msg)
+    version = struct.format_version
+    if (
+        not isinstance(version, int)
+        or isinstance(version, bool)
+        or not 1 <= version <= _STRUCT_VERSION
+    ):
+        msg = (
+            f"{where} has format_version {str(version)[:40]!r}; this raptor_llamaindex reads "
+            f"1..{_STRUCT_VERSION}: upgrade raptor-retriever"
+        )
+        raise TreeFormatError(msg)
+    if not isinstance(struct.params, dict):
+        msg = f"{where}: 'params' is not an object (edited or damaged)"
+        raise TreeFormatError(msg)
+    struct.retriever = check_retriever_section(where, struct.retriever)
+    struct.builder = check_builder_section(where, struct.builder)
+    struct.documents = check_documents_section(where, struct.documents)
+    return struct
+
+
+class RaptorIndex(BaseIndex[RaptorIndexStruct]):
     """A RAPTOR index for LlamaIndex: a tree of recursive summaries over your documents.
 
-    Build it from LlamaIndex ``Document`` objects or nodes, then use it like any LlamaIndex
-    index.  Parameters are routed by name: :class:`raptor_core.TreeBuilder` parameters
+    A real LlamaIndex index: every layer of the tree (chunks and summaries) lives in the
+    ``StorageContext``'s vector store as ``TextNode`` objects linked by ``SOURCE``/``PARENT``/
+    ``CHILD`` relationships, ``storage_context.persist()`` saves it and
+    ``load_index_from_storage`` reopens it.  Without a storage context, a new
+    ``SimpleVectorStore`` is used.  Every retrieval strategy searches the vector store.
+
+    Parameters are routed by name: :class:`raptor_core.TreeBuilder` parameters
     (``chunk_max_tokens``, ``max_layers``, ``random_state``, ``tokenizer``, ...) shape the
     build; retrieval parameters (``strategy``, ``similarity_top_k``, ``max_tokens`` and the
-    strategy's own) become the defaults of ``as_retriever`` and are saved by ``persist``.
+    strategy's own) become the defaults of ``as_retriever`` and are saved with the index.
 
     Models: ``embed_model`` defaults to ``Settings.embed_model`` when the application set one,
     else to the packaged, offline all-MiniLM-L6-v2.  ``llm`` (cluster summaries, LLM-guided
@@ -175,17 +247,18 @@ class RaptorIndex:
     ``Settings.llm`` when set; without one, summaries are extractive (offline).  The unset
     ``Settings`` defaults are never resolved, so no OpenAI key is needed.
 
-    Updates: ``insert``/``delete_ref_doc`` rebuild the whole tree from the stored documents.
-    RAPTOR's clusters and summaries depend on every document, so attaching a document to an
-    existing tree would leave stale summaries; a rebuild costs a fresh build and yields
-    exactly the tree ``from_documents`` would.  Retrievers and engines made earlier from this
-    index switch to the new tree on their next query.
+    Updates: ``insert``/``insert_nodes``/``delete_ref_doc``/``update_ref_doc`` rebuild the
+    tree from the stored documents and write the difference into the vector store.  RAPTOR's
+    clusters and summaries depend on every document, so attaching a document to an existing
+    tree would leave stale summaries.  Retrievers and engines made earlier from this index
+    follow on their next query.
 
     Setup:
         ``pip install 'raptor-retriever[llamaindex]'``
 
     Key init args (``from_documents``):
         documents: LlamaIndex ``Document`` objects or nodes.
+        storage_context: where the nodes go (``StorageContext.from_defaults(vector_store=...)``).
         embed_model: a LlamaIndex ``BaseEmbedding`` or a raptor_core ``Embedder``.
         llm: a LlamaIndex ``LLM`` (or raptor_core ``LLM``).
         summarizer: a raptor_core ``Summarizer`` instead of one over ``llm``.
@@ -207,9 +280,14 @@ class RaptorIndex:
     Usage:
         .. code-block:: python
 
+            from llama_index.core import StorageContext, load_index_from_storage
+
             nodes = index.as_retriever().retrieve("Why do bees dance?")
-            index.persist("./raptor_index")
-            index = RaptorIndex.load("./raptor_index", embed_model=FakeEmbedder())
+            index.storage_context.persist("./raptor_index")
+            index = load_index_from_storage(
+                StorageContext.from_defaults(persist_dir="./raptor_index"),
+                embed_model=FakeEmbedder(),
+            )
 
     Use within a query engine or an agent tool:
         .. code-block:: python
@@ -223,35 +301,93 @@ class RaptorIndex:
             )
     """
 
+    index_struct_cls = RaptorIndexStruct
+
     #: ``from_documents(transformations=...)``, applied again by :meth:`insert` (not saved).
     _transformations: Any = None
 
     def __init__(
         self,
-        tree: Tree,
+        nodes: Sequence[Any] | None = None,
         *,
+        index_struct: RaptorIndexStruct | None = None,
+        storage_context: StorageContext | None = None,
         embed_model: BaseEmbedding | Embedder | None = None,
         llm: BaseLLM | LLM | None = None,
         summarizer: Summarizer | None = None,
-        documents: Sequence[Document] | None = None,
-        retriever_kwargs: Mapping[str, Any] | None = None,
-        builder_kwargs: Mapping[str, Any] | None = None,
         callback_manager: CallbackManager | None = None,
+        show_progress: bool = False,
+        transformations: Any = None,
+        **kwargs: Any,
     ) -> None:
-        if not isinstance(tree, Tree):
-            msg = f"tree must be a raptor_core Tree, got {type(tree).__name__}"
+        """Build over ``nodes`` (LlamaIndex's constructor protocol), or open ``index_struct``.
+
+        ``load_index_from_storage`` calls this with the stored ``index_struct``; its keyword
+        arguments (``embed_model``, ``llm``, ``TreeBuilder`` components for later updates)
+        arrive here.
+        """
+        storage_context = storage_context or StorageContext.from_defaults()
+        building = index_struct is None
+        if index_struct is None:
+            builder_kwargs, retriever_kwargs = self._split_kwargs(kwargs)
+            items = list(nodes or [])
+            docs = to_core_documents(items)  # bad input fails here, before any model call
+            index_struct = RaptorIndexStruct(
+                retriever={**excluded_metadata_keys(items), **retriever_kwargs},
+                builder=_jsonable_builder_args(builder_kwargs),
+            )
+        else:
+            index_struct = _checked_struct(index_struct)
+            unknown = sorted(set(kwargs) - _BUILDER_ARGS)
+            if unknown:
+                msg = (
+                    f"unknown parameter(s) {unknown}: an index opened from storage takes "
+                    f"embed_model, llm, summarizer and TreeBuilder parameters {sorted(_BUILDER_ARGS)}"
+                )
+                raise InvalidParameterError(msg)
+            builder_kwargs = {**index_struct.builder, **kwargs}
+            items, docs = [], []
+        self._store = LlamaIndexNodeStore(
+            storage_context.vector_store,
+            docstore=storage_context.docstore,
+            params=index_struct.params,
+        )
+        if building and len(self._store) > 0:
+            msg = (
+                f"the {type(storage_context.vector_store).__name__} already holds nodes: build "
+                "into an empty vector store (a new collection), or reopen the index it holds "
+                "with load_index_from_storage"
+            )
             raise InvalidParameterError(msg)
-        self._tree = tree
-        self._embedder = resolve_embedder(embed_model, tree=tree)
+        shape = None if building else self._store.shape()
+        self._embedder = resolve_embedder(embed_model, tree=shape)  # type: ignore[arg-type]
         self._llm = llm
         self._summarizer = summarizer
-        self._documents = list(documents) if documents is not None else None
-        self._retriever_kwargs = dict(retriever_kwargs or {})
-        self._builder_kwargs = dict(builder_kwargs or {})
-        self._callback_manager = callback_manager
+        self._builder_kwargs = builder_kwargs
+        self._tree: Tree | None = None
+        self._documents: list[Document] | None = None
+        #: Bumped by every update, so retrievers made earlier know to start again.
+        self._version = 0
+        super().__init__(
+            index_struct=index_struct,
+            storage_context=storage_context,
+            callback_manager=callback_manager,
+            show_progress=show_progress,
+        )
+        # BaseIndex falls back to Settings.transformations; ours: RAPTOR's own chunker.
+        self._transformations = transformations
+        if building:
+            self._documents = []
+            if docs:
+                self._update(added=items, show_progress=show_progress)
+            else:
+                self._save_struct(_empty_tree(self._embedder), [])
 
     def __repr__(self) -> str:
-        return f"RaptorIndex({self._tree!r}, retriever={self._retriever_kwargs})"
+        return (
+            f"RaptorIndex({type(self._vector_store).__name__}, nodes={len(self._store)}, "
+            f"retriever={self.retriever_kwargs})"
+        )
 
     # -- construction --------------------------------------------------------------------------
     @staticmethod
@@ -272,88 +408,82 @@ class RaptorIndex:
         return builder, _nest_retriever_args(retriever)
 
     @classmethod
-    def from_documents(
+    def from_documents(  # type: ignore[override]
         cls,
         documents: Sequence[Any],
+        *,
+        storage_context: StorageContext | None = None,
         embed_model: BaseEmbedding | Embedder | None = None,
         llm: BaseLLM | LLM | None = None,
-        *,
-        summarizer: Summarizer | None = None,
         show_progress: bool = False,
-        callback_manager: CallbackManager | None = None,
         **kwargs: Any,
     ) -> RaptorIndex:
         """Build an index over LlamaIndex ``Document`` objects (or nodes, or raptor_core inputs).
 
         Args:
             documents: the documents; an empty list gives an empty index.
+            storage_context: where every layer's nodes go: its vector store (empty: one
+                tree per collection) and, for stores that keep no text, its docstore.
+                Default: a new ``SimpleVectorStore``.
             embed_model: embeds chunks, summaries and queries.
             llm: summarises clusters and guides LLM strategies.
-            summarizer: a raptor_core ``Summarizer`` that replaces the one made from ``llm``.
             show_progress: draw progress bars (tqdm) for the build stages.
-            callback_manager: LlamaIndex callbacks for retrievers and engines.
-            **kwargs: ``TreeBuilder`` parameters and retrieval defaults (see the class docs);
+            **kwargs: ``summarizer`` (a raptor_core ``Summarizer`` instead of one over
+                ``llm``), ``callback_manager``, ``TreeBuilder`` parameters and retrieval
+                defaults (see the class docs).
                 ``transformations=`` (node parsers, extractors, or an ``IngestionPipeline``)
                 are run first and their nodes become the leaves as they are (also a node
                 parser passed as ``chunker=``); see :mod:`raptor_llamaindex.ingestion`.
 
         Raises:
             InvalidInputError: an empty, binary or duplicate document.
-            InvalidParameterError: an unknown or out-of-range parameter.
+            InvalidParameterError: an unknown or out-of-range parameter, or a vector store
+                that already holds nodes.
         """
         transformations = _transformations(kwargs)
-        builder_kwargs, retriever_kwargs = cls._split_kwargs(kwargs)
-        documents = run_ingestion(documents, transformations, show_progress=show_progress)
-        docs = to_core_documents(documents)
-        retriever_kwargs = {**excluded_metadata_keys(documents), **retriever_kwargs}
-        embedder = resolve_embedder(embed_model)
+        items = run_ingestion(documents, transformations, show_progress=show_progress)
         index = cls(
-            _empty_tree(embedder),
-            embed_model=embedder,
+            items,
+            transformations=transformations,
+            storage_context=storage_context,
+            embed_model=embed_model,
             llm=llm,
-            summarizer=summarizer,
-            documents=[],
-            retriever_kwargs=retriever_kwargs,
-            builder_kwargs=builder_kwargs,
-            callback_manager=callback_manager,
+            show_progress=show_progress,
+            **kwargs,
         )
-        index._transformations = transformations
-        index._tree = index._build(docs, show_progress=show_progress)
-        index._documents = docs
+        if transformations is not None:
+            index._record_hashes(documents)
         return index
 
     @classmethod
     async def afrom_documents(
         cls,
         documents: Sequence[Any],
+        *,
+        storage_context: StorageContext | None = None,
         embed_model: BaseEmbedding | Embedder | None = None,
         llm: BaseLLM | LLM | None = None,
-        *,
-        summarizer: Summarizer | None = None,
         show_progress: bool = False,
-        callback_manager: CallbackManager | None = None,
         **kwargs: Any,
     ) -> RaptorIndex:
         """Async :meth:`from_documents`: uses the async model APIs; safe in a running loop."""
         transformations = _transformations(kwargs)
-        builder_kwargs, retriever_kwargs = cls._split_kwargs(kwargs)
-        documents = await arun_ingestion(documents, transformations, show_progress=show_progress)
-        docs = to_core_documents(documents)
-        retriever_kwargs = {**excluded_metadata_keys(documents), **retriever_kwargs}
-        embedder = resolve_embedder(embed_model)
+        items = await arun_ingestion(documents, transformations, show_progress=show_progress)
+        docs = to_core_documents(items)
         index = cls(
-            _empty_tree(embedder),
-            embed_model=embedder,
+            [],
+            storage_context=storage_context,
+            embed_model=embed_model,
             llm=llm,
-            summarizer=summarizer,
-            documents=[],
-            retriever_kwargs=retriever_kwargs,
-            builder_kwargs=builder_kwargs,
-            callback_manager=callback_manager,
+            show_progress=show_progress,
+            **kwargs,
         )
         index._transformations = transformations
-        index._tree = await index._abuild(docs, show_progress=show_progress)
-        index._documents = docs
+        index._merge_excluded_keys(items)
+        if docs:
+            await index._aupdate(added=items, show_progress=show_progress)
+        if transformations is not None:
+            index._record_hashes(documents)
         return index
 
     @classmethod
@@ -364,21 +494,31 @@ class RaptorIndex:
         llm: BaseLLM | LLM | None = None,
         *,
         summarizer: Summarizer | None = None,
+        storage_context: StorageContext | None = None,
+        documents: Sequence[Document] | None = None,
         **kwargs: Any,
     ) -> RaptorIndex:
-        """Wrap an existing tree (built by ``TreeBuilder`` or ``raptor build``).
+        """Write an existing tree (built by ``TreeBuilder`` or ``raptor build``) into an index.
 
-        ``kwargs`` are retrieval defaults and ``TreeBuilder`` parameters for later inserts.
+        ``kwargs`` are retrieval defaults and ``TreeBuilder`` parameters for later updates.
+        Without ``documents``, updates rebuild from documents rejoined from the leaf chunks.
         """
+        if not isinstance(tree, Tree):
+            msg = f"tree must be a raptor_core Tree, got {type(tree).__name__}"
+            raise InvalidParameterError(msg)
+        embedder = resolve_embedder(embed_model, tree=tree)
         builder_kwargs, retriever_kwargs = cls._split_kwargs(kwargs)
-        return cls(
-            tree,
-            embed_model=embed_model,
+        index = cls(
+            [],
+            storage_context=storage_context,
+            embed_model=embedder,
             llm=llm,
             summarizer=summarizer,
-            retriever_kwargs=retriever_kwargs,
-            builder_kwargs=builder_kwargs,
+            **{k: v for k, v in kwargs.items() if k in builder_kwargs},
+            **_flat_retriever_args(retriever_kwargs),
         )
+        index._write(tree, None if documents is None else list(documents))
+        return index
 
     # -- building ------------------------------------------------------------------------------
     def _builder(self, progress: ProgressCallback | None) -> TreeBuilder:
@@ -409,10 +549,113 @@ class RaptorIndex:
             if progress is not None:
                 progress.close()
 
+    # -- the one update path -------------------------------------------------------------------
+    def _next_documents(self, added: Sequence[Any], removed: Sequence[str]) -> list[Document]:
+        """The documents after an update (checked before anything is built or written)."""
+        current = self.documents
+        if self._documents is None and current:
+            logger.info("rebuilding from documents rejoined from the tree's leaf chunks")
+        gone = set(removed)
+        missing = sorted(gone - {d.chunk_of or d.doc_id for d in current})
+        if missing:
+            msg = f"no document with id {missing[0]!r} in this index"
+            raise InvalidInputError(msg)
+        kept = (d for d in current if (d.chunk_of or d.doc_id) not in gone)
+        return to_core_documents([*kept, *added])
+
+    def _update(
+        self, *, added: Sequence[Any] = (), removed: Sequence[str] = (), show_progress: bool = False
+    ) -> None:
+        """Add and remove documents: every update of the index goes through here.
+
+        Today a rebuild over the new document set (written into the vector store as a
+        difference); the place to call an incremental tree update instead.
+        """
+        docs = self._next_documents(added, removed)
+        self._write(self._build(docs, show_progress=show_progress), docs)
+        self._after_update(added, removed)
+
+    async def _aupdate(
+        self, *, added: Sequence[Any] = (), removed: Sequence[str] = (), show_progress: bool = False
+    ) -> None:
+        """Async :meth:`_update`."""
+        docs = self._next_documents(added, removed)
+        tree = await self._abuild(docs, show_progress=show_progress)
+        await asyncio.to_thread(self._write, tree, docs)
+        self._after_update(added, removed)
+
+    def _after_update(self, added: Sequence[Any], removed: Sequence[str]) -> None:
+        self._merge_excluded_keys(added)
+        # Document hashes in the docstore, as BaseIndex keeps them: refresh_ref_docs then
+        # updates only documents that changed.
+        for doc_id in removed:
+            self._docstore.delete_document(doc_id, raise_error=False)
+        self._record_hashes(added)
+        self._storage_context.index_store.add_index_struct(self._index_struct)
+
+    def _record_hashes(self, items: Iterable[Any]) -> None:
+        # Keyed by what the caller passed: with transformations, the source documents (the
+        # keys refresh_ref_docs looks up), not the nodes made from them.
+        for item in items:
+            if isinstance(item, BaseNode):
+                self._docstore.set_document_hash(item.node_id, item.hash)
+
+    def _write(self, tree: Tree, docs: list[Document] | None) -> None:
+        """Make the vector store hold exactly ``tree``: write what changed, delete the rest.
+
+        Node ids are stable (a chunk's from its document and span, a summary's from its
+        children), so after a rebuild most nodes are equal to stored ones and are left alone.
+        """
+        before = self._tree
+        if before is None:
+            old = {n.id for n in self._store}
+            changed = list(range(len(tree)))
+        else:
+            old = {n.id for n in before.nodes}
+            changed = [
+                row
+                for row, node in enumerate(tree.nodes)
+                if node.id not in before
+                or before.node(node.id) != node
+                or not np.array_equal(before.embeddings[before.row(node.id)], tree.embeddings[row])
+            ]
+        if changed:
+            rows = np.asarray(changed, dtype=np.intp)
+            self._store.add([tree.nodes[r] for r in changed], tree.embeddings[rows])
+        stale = old - {n.id for n in tree.nodes}
+        if stale:
+            self._store.delete(sorted(stale))
+        self._save_struct(tree, docs)
+
+    def _save_struct(self, tree: Tree, docs: list[Document] | None) -> None:
+        self._tree = tree
+        self._documents = docs
+        self._store.params = dict(tree.params)
+        self._index_struct.params = dict(tree.params)
+        self._index_struct.documents = (
+            None
+            if docs is None
+            else [{"doc_id": d.doc_id, "text": d.text, "metadata": dict(d.metadata)} for d in docs]
+        )
+        self._version += 1
+        self._storage_context.index_store.add_index_struct(self._index_struct)
+
+    def _merge_excluded_keys(self, items: Iterable[Any]) -> None:
+        for key, names in excluded_metadata_keys(items).items():
+            retriever = self._index_struct.retriever
+            retriever[key] = sorted({*retriever.get(key, ()), *names})
+
     # -- contents ------------------------------------------------------------------------------
     @property
+    def store(self) -> LlamaIndexNodeStore:
+        """The vector store as a :class:`~raptor_core.types.NodeStore` (what strategies search)."""
+        return self._store
+
+    @property
     def tree(self) -> Tree:
-        """The current tree (immutable; ``insert`` replaces it)."""
+        """The current tree, in memory (read from the vector store on first use after a load)."""
+        if self._tree is None:
+            self._tree = self._store.to_tree()
         return self._tree
 
     @property
@@ -424,7 +667,11 @@ class RaptorIndex:
     def documents(self) -> tuple[Document, ...]:
         """The indexed documents as raptor_core ``Document`` objects."""
         if self._documents is None:
-            return tuple(_documents_from_tree(self._tree))
+            saved = self._index_struct.documents
+            if saved is not None:
+                self._documents = to_core_documents(saved)
+            else:
+                return tuple(_documents_from_tree(self.tree))
         return tuple(self._documents)
 
     @property
@@ -434,61 +681,96 @@ class RaptorIndex:
         return tuple(dict.fromkeys(d.chunk_of or d.doc_id for d in self.documents))
 
     @property
+    def ref_doc_info(self) -> dict[str, RefDocInfo]:
+        """Each document's chunk (leaf) node ids and metadata, as LlamaIndex reports it."""
+        leaves: dict[str, list[str]] = {}
+        for leaf in self.tree.leaves:
+            if leaf.doc_id is not None:
+                leaves.setdefault(leaf.doc_id, []).append(leaf.id)
+        # Pre-split nodes (chunk_of set) are reported under their source document.
+        metadata: dict[str, dict[str, Any]] = {}
+        for d in self.documents:
+            meta = {k: v for k, v in d.metadata.items() if k != LLAMAINDEX_NODE_KEY}
+            metadata.setdefault(d.chunk_of or d.doc_id, meta)
+        return {
+            ref: RefDocInfo(node_ids=leaves.get(ref, []), metadata=meta)
+            for ref, meta in metadata.items()
+        }
+
+    @property
     def retriever_kwargs(self) -> dict[str, Any]:
-        """The retrieval defaults used by :meth:`as_retriever` (and saved by :meth:`persist`)."""
-        return dict(self._retriever_kwargs)
+        """The retrieval defaults used by :meth:`as_retriever` (and saved with the index)."""
+        return dict(self._index_struct.retriever)
 
     # -- updates -------------------------------------------------------------------------------
-    def _with_added(self, items: Iterable[Any]) -> list[Document]:
-        current = self.documents
-        if self._documents is None and current:
-            logger.info("rebuilding from documents rejoined from the tree's leaf chunks")
-        return to_core_documents([*current, *items])
+    def _build_index_from_nodes(self, nodes: Sequence[BaseNode], **_: Any) -> RaptorIndexStruct:
+        # BaseIndex calls this only without an index struct; __init__ always passes one.
+        self._update(added=list(nodes))
+        return self._index_struct
+
+    def _insert(self, nodes: Sequence[BaseNode], **_: Any) -> None:
+        self._update(added=list(nodes))
 
     def insert(self, document: Any, **_: Any) -> None:
-        """Add one document (or node) and rebuild the tree (see the class docstring).
+        """Add one document (or node) and update the tree (see the class docstring).
 
         Raises:
             InvalidInputError: the document's id is already indexed, or it is empty/binary.
         """
         # As BaseIndex.insert: a document goes through the index's transformations first.
         self.insert_nodes(run_ingestion([document], self._transformations))
-
-    def _merge_excluded_keys(self, items: Iterable[Any]) -> None:
-        for key, names in excluded_metadata_keys(items).items():
-            self._retriever_kwargs[key] = sorted({*self._retriever_kwargs.get(key, ()), *names})
+        self._record_hashes([document])
 
     def insert_nodes(self, nodes: Sequence[Any], **_: Any) -> None:
-        """Add several documents or nodes with one rebuild."""
-        docs = self._with_added(nodes)
-        self._tree = self._build(docs)
-        self._documents = docs
-        self._merge_excluded_keys(nodes)
+        """Add several documents or nodes with one update."""
+        with self._callback_manager.as_trace("insert_nodes"):
+            self._update(added=list(nodes))
 
     async def ainsert(self, document: Any, **_: Any) -> None:
         """Async :meth:`insert`."""
         await self.ainsert_nodes(await arun_ingestion([document], self._transformations))
+        self._record_hashes([document])
 
     async def ainsert_nodes(self, nodes: Sequence[Any], **_: Any) -> None:
         """Async :meth:`insert_nodes`."""
-        docs = self._with_added(nodes)
-        self._tree = await self._abuild(docs)
-        self._documents = docs
-        self._merge_excluded_keys(nodes)
+        await self._aupdate(added=list(nodes))
 
-    def delete_ref_doc(self, ref_doc_id: str, **_: Any) -> None:
-        """Remove a document by id and rebuild the tree.
+    def _delete_node(self, node_id: str, **_: Any) -> None:
+        if node_id in self.ref_doc_ids:
+            self._update(removed=[node_id])
+            return
+        msg = (
+            f"cannot delete node {node_id!r} alone: summaries depend on every chunk below "
+            "them; delete whole documents with delete_ref_doc(doc_id)"
+        )
+        raise InvalidParameterError(msg)
+
+    def delete_ref_doc(self, ref_doc_id: str, delete_from_docstore: bool = False, **_: Any) -> None:
+        """Remove a document by id and update the tree.
 
         Raises:
             InvalidInputError: no document has this id.
         """
-        current = self.documents
-        kept = [d for d in current if (d.chunk_of or d.doc_id) != ref_doc_id]
-        if len(kept) == len(current):
-            msg = f"no document with id {ref_doc_id!r} in this index"
-            raise InvalidInputError(msg)
-        self._tree = self._build(kept)
-        self._documents = kept
+        self._update(removed=[ref_doc_id])
+
+    async def adelete_ref_doc(
+        self, ref_doc_id: str, delete_from_docstore: bool = False, **_: Any
+    ) -> None:
+        """Async :meth:`delete_ref_doc`."""
+        await self._aupdate(removed=[ref_doc_id])
+
+    def update_ref_doc(self, document: Any, **_: Any) -> None:
+        """Replace a document (same id) with one update, through the index's transformations."""
+        removed = [_source_id(document)]
+        self._update(added=run_ingestion([document], self._transformations), removed=removed)
+        self._record_hashes([document])
+
+    async def aupdate_ref_doc(self, document: Any, **_: Any) -> None:
+        """Async :meth:`update_ref_doc`."""
+        removed = [_source_id(document)]
+        added = await arun_ingestion([document], self._transformations)
+        await self._aupdate(added=added, removed=removed)
+        self._record_hashes([document])
 
     # -- retrieval and engines -----------------------------------------------------------------
     def as_retriever(self, **kwargs: Any) -> RaptorRetriever:
@@ -501,21 +783,23 @@ class RaptorIndex:
         llm = kwargs.pop("llm", None) or self._llm
         kwargs.setdefault("callback_manager", self._callback_manager)
         retriever = RaptorRetriever(
-            self._tree,
+            self._store,
             self._embedder,
             llm=llm,
-            **merge_retriever_params(self._retriever_kwargs, kwargs),
+            **merge_retriever_params(self._index_struct.retriever, kwargs),
         )
-        retriever._index = self
+        retriever._follow(self)
         return retriever
 
     def _engine_kwargs(self, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        strategy = kwargs.get("strategy", self._retriever_kwargs.get("strategy", DEFAULT_STRATEGY))
+        strategy = kwargs.get(
+            "strategy", self._index_struct.retriever.get("strategy", DEFAULT_STRATEGY)
+        )
         retriever_names = (
             _RETRIEVER_ARGS
             | _RETRIEVER_ONLY_ARGS
             | strategy_param_names(strategy)
-            | set(self._retriever_kwargs.get("strategy_params") or {})
+            | set(self._index_struct.retriever.get("strategy_params") or {})
         )
         retriever = {k: v for k, v in kwargs.items() if k in retriever_names or k in _SHARED_ARGS}
         engine = {k: v for k, v in kwargs.items() if k not in retriever_names}
@@ -531,7 +815,7 @@ class RaptorIndex:
         # LlamaIndex's own rule, as VectorStoreIndex applies it (OpenAI when nothing is set).
         return Settings.llm
 
-    def as_query_engine(
+    def as_query_engine(  # type: ignore[override]  # a model object only, never a name
         self, llm: LlamaIndexLLMBase | None = None, **kwargs: Any
     ) -> BaseQueryEngine:
         """A ``RetrieverQueryEngine`` over :meth:`as_retriever`.
@@ -548,7 +832,7 @@ class RaptorIndex:
             self.as_retriever(**retriever_kwargs), llm=self._answer_llm(llm), **engine_kwargs
         )
 
-    def as_chat_engine(
+    def as_chat_engine(  # type: ignore[override]  # a model object only, never a name
         self,
         chat_mode: ChatMode | str = ChatMode.BEST,
         llm: LlamaIndexLLMBase | None = None,
@@ -600,22 +884,19 @@ class RaptorIndex:
 
     # -- persistence ---------------------------------------------------------------------------
     def persist(self, persist_dir: str | os.PathLike[str]) -> Path:
-        """Save the tree, the retrieval defaults, the build parameters and the documents.
+        """Export the tree, the retrieval defaults, the build parameters and the documents.
 
         The directory holds the tree's own files (``tree.json``, ``embeddings-*.npy``, see
-        :meth:`raptor_core.Tree.save`) and ``raptor_llamaindex.json``.  Models are not saved:
-        pass them to :meth:`load` (or configure ``Settings``).
+        :meth:`raptor_core.Tree.save`) and ``raptor_llamaindex.json``; :meth:`load` reads
+        it back into a new ``SimpleVectorStore``.  To keep the index in its vector store,
+        use ``index.storage_context.persist(persist_dir)`` and ``load_index_from_storage``
+        instead.  Models are not saved: pass them to :meth:`load`.
         """
-        documents = None
-        if self._documents is not None:
-            documents = [
-                {"doc_id": d.doc_id, "text": d.text, "metadata": dict(d.metadata)}
-                for d in self._documents
-            ]
+        documents = self._index_struct.documents
         return save_with_params(
-            self._tree,
+            self.tree,
             persist_dir,
-            retriever=self._retriever_kwargs,
+            retriever=self._index_struct.retriever,
             builder=_jsonable_builder_args(self._builder_kwargs),
             documents=documents,
         )
@@ -629,9 +910,10 @@ class RaptorIndex:
         *,
         summarizer: Summarizer | None = None,
         callback_manager: CallbackManager | None = None,
+        storage_context: StorageContext | None = None,
         **builder_kwargs: Any,
     ) -> RaptorIndex:
-        """Load an index saved by :meth:`persist` (or a bare tree directory).
+        """Load an index exported by :meth:`persist` (or a bare tree directory).
 
         Args:
             persist_dir: the directory.
@@ -642,6 +924,8 @@ class RaptorIndex:
             llm: for summaries on later inserts, LLM strategies and answers.
             summarizer: a raptor_core ``Summarizer`` for later inserts.
             callback_manager: LlamaIndex callbacks.
+            storage_context: where to write the tree's nodes (default: a new
+                ``SimpleVectorStore``).
             **builder_kwargs: ``TreeBuilder`` components or parameters for later inserts
                 (the saved JSON-serialisable ones are restored automatically).
 
@@ -651,16 +935,36 @@ class RaptorIndex:
         tree = Tree.load(persist_dir)
         saved = read_params(persist_dir)
         documents = saved.get("documents")
-        return cls(
-            tree,
-            embed_model=embed_model,
+        unknown = sorted(set(builder_kwargs) - _BUILDER_ARGS)
+        if unknown:
+            msg = f"unknown parameter(s) {unknown}: load() takes TreeBuilder parameters"
+            raise InvalidParameterError(msg)
+        embedder = resolve_embedder(embed_model, tree=tree)
+        index = cls(
+            [],
+            storage_context=storage_context,
+            embed_model=embedder,
             llm=llm,
             summarizer=summarizer,
-            documents=None if documents is None else to_core_documents(documents),
-            retriever_kwargs=saved.get("retriever") or {},
-            builder_kwargs={**(saved.get("builder") or {}), **builder_kwargs},
             callback_manager=callback_manager,
+            **{**(saved.get("builder") or {}), **builder_kwargs},
         )
+        index._index_struct.retriever = dict(saved.get("retriever") or {})
+        index._write(tree, None if documents is None else to_core_documents(documents))
+        return index
+
+
+def _flat_retriever_args(nested: Mapping[str, Any]) -> dict[str, Any]:
+    """The saved shape (``strategy_params`` nested) -> flat keywords."""
+    out = {k: v for k, v in nested.items() if k != "strategy_params"}
+    out.update(nested.get("strategy_params") or {})
+    return out
+
+
+def _source_id(document: Any) -> str:
+    """The id of the source document ``document`` is (or, for a node, belongs to)."""
+    doc = to_core_documents([document])[0]
+    return doc.chunk_of or doc.doc_id
 
 
 def _transformations(kwargs: dict[str, Any]) -> Any:
@@ -683,3 +987,10 @@ def _nest_retriever_args(args: Mapping[str, Any]) -> dict[str, Any]:
     if strategy_params:
         out["strategy_params"] = strategy_params
     return out
+
+
+# LlamaIndex picks the index class for a stored struct from these closed registries (by the
+# struct's type string), so load_index_from_storage finds RaptorIndex once this module is
+# imported; nothing in a persisted file names a class.
+INDEX_STRUCT_TYPE_TO_INDEX_STRUCT_CLASS.setdefault(RAPTOR_INDEX_TYPE, RaptorIndexStruct)  # type: ignore[arg-type]
+INDEX_STRUCT_TYPE_TO_INDEX_CLASS.setdefault(RAPTOR_INDEX_TYPE, RaptorIndex)  # type: ignore[arg-type]

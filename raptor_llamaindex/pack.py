@@ -14,9 +14,9 @@ How the pack's arguments map (``docs/migrating-from-the-pack.md`` has the full t
   most ``similarity_top_k`` nodes and, like the pack, have no token budget;
 * ``tree_depth`` is ``max_layers``, ``summary_module`` (or ``llm``) writes the summaries,
   ``transformations`` decide the leaves (:mod:`raptor_llamaindex.ingestion`);
-* ``vector_store`` stores the tree in the user's vector store when ``RaptorIndex`` supports
-  a ``storage_context``; other keywords are ``RaptorIndex`` / ``TreeBuilder`` parameters
-  (``random_state``, ``cluster_max_tokens``, ...).
+* ``vector_store`` is ``storage_context=StorageContext.from_defaults(vector_store=...)``:
+  every layer of the tree goes into the user's vector store; other keywords are
+  ``RaptorIndex`` / ``TreeBuilder`` parameters (``random_state``, ``cluster_max_tokens``, ...).
 
 Differences on purpose: without ``transformations`` documents are split into the paper's
 100-token chunks (the pack used ``Settings.transformations``, 1,024-token chunks); without
@@ -27,7 +27,6 @@ goes to ``logging``); and no ``asyncio.run`` is called, so it works in Jupyter a
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Sequence
 from enum import Enum
@@ -108,19 +107,6 @@ class SummaryModule:
         return LlamaIndexSummarizer(self.llm, prompt=prompt)
 
 
-def _supports_storage_context() -> bool:
-    return "storage_context" in inspect.signature(RaptorIndex.from_documents).parameters
-
-
-def _unsupported_vector_store() -> InvalidParameterError:
-    msg = (
-        "vector_store= is not supported by this version of raptor_llamaindex: RaptorIndex "
-        "keeps the tree in memory and persists it with persist(persist_dir). Drop "
-        "vector_store= and call retriever.persist(dir) / RaptorRetriever.from_persist_dir(dir)."
-    )
-    return InvalidParameterError(msg)
-
-
 class RaptorRetriever(BaseRetriever):
     """The pack's ``RaptorRetriever``, backed by :class:`raptor_llamaindex.RaptorIndex`.
 
@@ -134,7 +120,7 @@ class RaptorRetriever(BaseRetriever):
         tree_depth: summary layers above the leaves (``max_layers``).
         similarity_top_k: nodes returned (and selected per layer in ``tree_traversal``).
         llm / embed_model: the models (see the module docs for the defaults).
-        vector_store: a LlamaIndex vector store, where ``RaptorIndex`` supports one.
+        vector_store: a LlamaIndex vector store that receives every layer of the tree.
         transformations: node parsers / extractors; their nodes are the leaves.
         summary_module: a :class:`SummaryModule` (prompt, concurrency).
         existing_index: a :class:`RaptorIndex` to search instead of building one.
@@ -227,13 +213,9 @@ class RaptorRetriever(BaseRetriever):
     ) -> RaptorIndex:
         build = self._build_kwargs(kwargs)
         if vector_store is not None:
-            if not _supports_storage_context():
-                raise _unsupported_vector_store()
-            reconnect = getattr(RaptorIndex, "from_vector_store", None)
-            if not documents and reconnect is not None:
-                # The pack's "re-connect": pass the vector store again with no documents.
-                return reconnect(vector_store, embed_model=embed_model, llm=llm)
             if not documents:
+                # The pack re-connected with the store alone; our index struct (retrieval
+                # defaults, documents for updates) is in the index store, not the vector store.
                 msg = (
                     "re-connecting to a vector store also needs the index's persist "
                     "directory (the tree's structure is kept there, not in the store): after "
@@ -307,12 +289,8 @@ class RaptorRetriever(BaseRetriever):
         await self.index.ainsert_nodes(nodes)
 
     def persist(self, persist_dir: str | os.PathLike[str]) -> None:
-        """Save the index, through its ``storage_context`` where it has one (as the pack did)."""
-        storage_context = getattr(self.index, "storage_context", None)
-        if storage_context is not None:
-            storage_context.persist(persist_dir=os.fspath(persist_dir))
-        else:
-            self.index.persist(persist_dir)
+        """Save the index through its ``storage_context``, as the pack did."""
+        self.index.storage_context.persist(persist_dir=os.fspath(persist_dir))
 
     @classmethod
     def from_persist_dir(
@@ -326,23 +304,17 @@ class RaptorRetriever(BaseRetriever):
         ``vector_store=`` reopens an index whose nodes live in that store (the store is
         passed again, as LlamaIndex's ``StorageContext.from_defaults`` expects).
         """
+        from llama_index.core import StorageContext, load_index_from_storage
+
         vector_store = kwargs.pop("vector_store", None)
         llm = kwargs.get("llm")
-        if _supports_storage_context():
-            from llama_index.core import StorageContext, load_index_from_storage
-
-            storage_context = StorageContext.from_defaults(
-                persist_dir=os.fspath(persist_dir), vector_store=vector_store
-            )
-            loaded = load_index_from_storage(storage_context, embed_model=embed_model, llm=llm)
-            if not isinstance(loaded, RaptorIndex):
-                msg = f"{persist_dir} holds a {type(loaded).__name__}, not a RaptorIndex"
-                raise InvalidParameterError(msg)
-            index = loaded
-        elif vector_store is not None:
-            raise _unsupported_vector_store()
-        else:
-            index = RaptorIndex.load(persist_dir, embed_model=embed_model, llm=llm)
+        storage_context = StorageContext.from_defaults(
+            persist_dir=os.fspath(persist_dir), vector_store=vector_store
+        )
+        index = load_index_from_storage(storage_context, embed_model=embed_model, llm=llm)
+        if not isinstance(index, RaptorIndex):
+            msg = f"{persist_dir} holds a {type(index).__name__}, not a RaptorIndex"
+            raise InvalidParameterError(msg)
         return cls([], existing_index=index, **kwargs)
 
 

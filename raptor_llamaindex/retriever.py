@@ -9,6 +9,7 @@ instrumentation events (``RetrievalStartEvent``/``RetrievalEndEvent``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from llama_index.core.schema import (
     RelatedNodeInfo,
     TextNode,
 )
+from llama_index.core.vector_stores.types import MetadataFilters
 
 from raptor_core.exceptions import InvalidParameterError, TreeFormatError
 from raptor_core.retrieval import DEFAULT_MAX_TOKENS, Hit, TreeRetriever
@@ -37,9 +39,10 @@ from raptor_core.retrieval.registry import DEFAULT_STRATEGY as CORE_DEFAULT_STRA
 from raptor_core.retrieval.registry import STRATEGIES, accepted_params, make_retriever
 from raptor_core.store._format import write_tree
 from raptor_core.tree import Tree
-from raptor_core.types import LLM, Embedder
+from raptor_core.types import LLM, Embedder, NodeStore
 from raptor_llamaindex.ingestion import pop_node_fields
 from raptor_llamaindex.models import resolve_embedder, resolve_llm
+from raptor_llamaindex.store import core_where
 
 if TYPE_CHECKING:
     from raptor_llamaindex.index import RaptorIndex
@@ -65,6 +68,9 @@ RAPTOR_METADATA_KEYS = (
     "raptor_leaves",
 )
 
+#: Strategies that call an LLM (async end to end in the core).
+_NEEDS_LLM = frozenset({"llm", "hybrid"})
+
 #: The file ``persist`` writes next to the tree's own files.
 PARAMS_FILE = "raptor_llamaindex.json"
 _FORMAT = "raptor-llamaindex"
@@ -83,7 +89,8 @@ def hit_to_node(
     ``raptor_span`` (``[start, end]`` character offsets, also in ``start_char_idx`` /
     ``end_char_idx``) and a ``SOURCE`` relationship, so ``node.ref_doc_id`` is the document id.
     Summaries carry ``raptor_layer``, ``raptor_doc_ids`` (the documents they cover) and
-    ``raptor_children`` (also as ``CHILD`` relationships).  A passage of several leaves
+    ``raptor_children`` (also as ``CHILD`` relationships); one over a single document has
+    it as ``SOURCE`` too.  A node inside a summary links it as ``PARENT`` (the first one).  A passage of several leaves
     (the ``"passage"`` strategy) is a leaf-like node whose ``raptor_leaves`` lists the leaf
     ids it joins.  The ``raptor_*`` keys, and the
     document keys named in ``excluded_*_metadata_keys``, are kept out of prompts and
@@ -97,11 +104,14 @@ def hit_to_node(
     metadata["raptor_doc_ids"] = list(node.doc_ids)
     metadata["raptor_source"] = hit.source
     relationships: dict[NodeRelationship, Any] = {}
+    if node.doc_id is not None:
+        # A chunk's document, or the one document a summary covers: node.ref_doc_id.
+        relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id=node.doc_id)
+    if node.parents:
+        relationships[NodeRelationship.PARENT] = RelatedNodeInfo(node_id=node.parents[0])
     if node.is_leaf:
         metadata["raptor_doc_id"] = node.doc_id
         metadata["raptor_span"] = list(node.span) if node.span is not None else None
-        if node.doc_id is not None:
-            relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id=node.doc_id)
     else:
         metadata["raptor_children"] = list(node.children)
         relationships[NodeRelationship.CHILD] = [RelatedNodeInfo(node_id=c) for c in node.children]
@@ -149,7 +159,7 @@ def hit_to_node(
 
 def make_core_retriever(
     strategy: str,
-    tree: Tree,
+    tree: Tree | NodeStore,
     embedder: Embedder,
     *,
     llm: LLM | None,
@@ -158,7 +168,15 @@ def make_core_retriever(
     params: Mapping[str, Any],
 ) -> TreeRetriever:
     """Create the raptor_core strategy object (validates the strategy and its parameters)."""
-    return make_retriever(strategy, tree, embedder, llm=llm, k=k, max_tokens=max_tokens, **params)
+    return make_retriever(
+        strategy,
+        tree,  # type: ignore[arg-type]  # every strategy takes a NodeStore where a Tree goes
+        embedder,
+        llm=llm,
+        k=k,
+        max_tokens=max_tokens,
+        **params,
+    )
 
 
 def strategy_param_names(strategy: str) -> frozenset[str]:
@@ -183,7 +201,8 @@ class RaptorRetriever(BaseRetriever):
         ``pip install 'raptor-retriever[llamaindex]'``
 
     Key init args:
-        tree: the RAPTOR tree (``RaptorIndex.tree``, ``Tree.load(dir)`` or ``TreeBuilder``).
+        tree: the RAPTOR tree (``Tree.load(dir)`` or ``TreeBuilder``), or a NodeStore
+            holding one (``RaptorIndex.store``: a ``LlamaIndexNodeStore`` over a vector store).
         embed_model: the model the tree was built with: a LlamaIndex ``BaseEmbedding`` or a
             raptor_core ``Embedder``.  Default: the embedder recorded in the tree when a load
             may create it by itself (a local sentence-transformers model by name, see
@@ -191,6 +210,9 @@ class RaptorRetriever(BaseRetriever):
             recording no embedder gets the packaged all-MiniLM-L6-v2.
         strategy: ``"passage"`` (default), ``"collapsed"``, ``"traversal"``, ``"value"``,
             ``"mmr"``, ``"llm"``, ``"hybrid"``.
+        filters: LlamaIndex ``MetadataFilters`` on the documents' metadata (``doc_id`` /
+            ``ref_doc_id`` mean the node's document); translated to the core filter
+            dialect, so every strategy and store applies them alike.
         similarity_top_k: maximum number of nodes returned (the core's ``k``).
         max_tokens: token budget for all returned nodes together (the paper uses 2,000);
             ``None`` for no budget.
@@ -233,9 +255,10 @@ class RaptorRetriever(BaseRetriever):
 
     def __init__(
         self,
-        tree: Tree,
+        tree: Tree | NodeStore,
         embed_model: BaseEmbedding | Embedder | None = None,
         *,
+        filters: MetadataFilters | None = None,
         strategy: str = DEFAULT_STRATEGY,
         similarity_top_k: int = DEFAULT_SIMILARITY_TOP_K,
         max_tokens: int | None = DEFAULT_MAX_TOKENS,
@@ -248,12 +271,20 @@ class RaptorRetriever(BaseRetriever):
         verbose: bool = False,
         **strategy_params: Any,
     ) -> None:
-        if not isinstance(tree, Tree):
-            msg = f"tree must be a raptor_core Tree, got {type(tree).__name__}"
+        if not isinstance(tree, Tree | NodeStore):
+            msg = (
+                "tree must be a raptor_core Tree or a NodeStore (LlamaIndexNodeStore, ...), "
+                f"got {type(tree).__name__}"
+            )
             raise InvalidParameterError(msg)
         self._tree = tree
-        self._embedder = resolve_embedder(embed_model, tree=tree)
+        shape = tree if isinstance(tree, Tree) else getattr(tree, "shape", lambda: None)()
+        self._embedder = resolve_embedder(embed_model, tree=shape)
         self._llm = resolve_llm(llm)
+        if filters is not None and not isinstance(filters, MetadataFilters):
+            msg = f"filters must be a LlamaIndex MetadataFilters, got {type(filters).__name__}"
+            raise InvalidParameterError(msg)
+        self.filters = filters
         self.strategy = strategy
         self.similarity_top_k = similarity_top_k
         self.max_tokens = max_tokens
@@ -262,6 +293,7 @@ class RaptorRetriever(BaseRetriever):
         self.strategy_params = dict(strategy_params)
         # Set by RaptorIndex.as_retriever so that documents inserted later are seen.
         self._index: RaptorIndex | None = None
+        self._seen = -1
         # Built now so that a bad strategy or parameter fails here, not at the first query.
         self._core = self._make_core()
         super().__init__(
@@ -318,6 +350,13 @@ class RaptorRetriever(BaseRetriever):
         return cls(tree, embed_model, llm=llm, **kwargs)
 
     def _make_core(self) -> TreeRetriever:
+        params = dict(self.strategy_params)
+        if self.filters is not None:
+            # The user's LlamaIndex filters, in the core dialect: every strategy and every
+            # store (the in-memory tree too) applies them the same way.
+            wanted = core_where(self.filters)
+            given = params.get("where")
+            params["where"] = wanted if given is None else {"$and": [given, wanted]}
         return make_core_retriever(
             self.strategy,
             self._tree,
@@ -325,14 +364,33 @@ class RaptorRetriever(BaseRetriever):
             llm=self._llm,
             k=self.similarity_top_k,
             max_tokens=self.max_tokens,
-            params=self.strategy_params,
+            params=params,
         )
 
     @property
     def tree(self) -> Tree:
         """The tree searched (the index's current one when created by ``RaptorIndex``)."""
         self._sync_tree()
+        if self._index is not None:
+            return self._index.tree
+        if isinstance(self._tree, Tree):
+            return self._tree
+        to_tree = getattr(self._tree, "to_tree", None)
+        if to_tree is None:
+            msg = f"{type(self._tree).__name__} cannot export its nodes as a Tree"
+            raise InvalidParameterError(msg)
+        tree: Tree = to_tree()
+        return tree
+
+    @property
+    def store(self) -> Tree | NodeStore:
+        """What the strategies search: the tree, or a NodeStore over a vector store."""
         return self._tree
+
+    def _follow(self, index: RaptorIndex) -> None:
+        """Track ``index``: its updates are seen on the next query."""
+        self._index = index
+        self._seen = index._version
 
     @property
     def embedder(self) -> Embedder:
@@ -364,9 +422,11 @@ class RaptorRetriever(BaseRetriever):
         ]
 
     def _sync_tree(self) -> None:
-        # Pick up a tree rebuilt by RaptorIndex.insert (trees are immutable: swap, don't edit).
-        if self._index is not None and self._index.tree is not self._tree:
-            self._tree = self._index.tree
+        # An index update changed the store: strategies may hold what they read (BM25 over
+        # the leaves, neighbours), so make them again.
+        if self._index is not None and self._index._version != self._seen:
+            self._tree = self._index.store
+            self._seen = self._index._version
             self._core = self._make_core()
 
     # -- retrieval -----------------------------------------------------------------------------
@@ -396,12 +456,28 @@ class RaptorRetriever(BaseRetriever):
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         self._sync_tree()
-        hits = await self._core.aretrieve(
-            query_bundle.query_str,
-            k=self.similarity_top_k,
-            max_tokens=self.max_tokens,
-            embedding=self._query_embedding(query_bundle),
-        )
+        embedding = self._query_embedding(query_bundle)
+        if isinstance(self._tree, Tree) or self.strategy in _NEEDS_LLM:
+            hits = await self._core.aretrieve(
+                query_bundle.query_str,
+                k=self.similarity_top_k,
+                max_tokens=self.max_tokens,
+                embedding=embedding,
+            )
+        else:
+            # A vector store's client blocks (HTTP, disk): embed the query with the model's
+            # async API, then search off the event loop.
+            if embedding is None:
+                embedding = [
+                    float(x) for x in await self._core.aembed_query(query_bundle.query_str)
+                ]
+            hits = await asyncio.to_thread(
+                self._core.retrieve,
+                query_bundle.query_str,
+                k=self.similarity_top_k,
+                max_tokens=self.max_tokens,
+                embedding=embedding,
+            )
         return self._to_nodes(hits)
 
     # -- persistence ---------------------------------------------------------------------------
@@ -505,7 +581,7 @@ _MAX_STRING = 100_000
 _MAX_LIST = 10_000
 
 
-def _bad(path: Path, what: str) -> TreeFormatError:
+def _bad(path: Path | str, what: str) -> TreeFormatError:
     return TreeFormatError(f"{path}: {what} (edited, damaged or not written by raptor_llamaindex)")
 
 
@@ -521,7 +597,7 @@ def _scalar_ok(value: object) -> bool:
     return isinstance(value, str) and len(value) <= _MAX_STRING
 
 
-def _check_builder(path: Path, section: object) -> dict[str, Any]:
+def check_builder_section(path: Path | str, section: object) -> dict[str, Any]:
     if not isinstance(section, dict):
         raise _bad(path, "'builder' is not an object")
     out: dict[str, Any] = {}
@@ -547,7 +623,7 @@ def _check_builder(path: Path, section: object) -> dict[str, Any]:
     return out
 
 
-def _check_strategy_params(path: Path, strategy: str, section: object) -> dict[str, Any]:
+def _check_strategy_params(path: Path | str, strategy: str, section: object) -> dict[str, Any]:
     if not isinstance(section, dict):
         raise _bad(path, "'strategy_params' is not an object")
     allowed = strategy_param_names(strategy) - _OBJECT_STRATEGY_PARAMS
@@ -564,7 +640,7 @@ def _check_strategy_params(path: Path, strategy: str, section: object) -> dict[s
     return dict(section)
 
 
-def _check_retriever(path: Path, section: object) -> dict[str, Any]:
+def check_retriever_section(path: Path | str, section: object) -> dict[str, Any]:
     if not isinstance(section, dict):
         raise _bad(path, "'retriever' is not an object")
     unknown = sorted(str(k)[:80] for k in set(section) - _RETRIEVER_KEYS)
@@ -593,7 +669,7 @@ def _check_retriever(path: Path, section: object) -> dict[str, Any]:
     return out
 
 
-def _check_documents(path: Path, section: object) -> list[dict[str, Any]] | None:
+def check_documents_section(path: Path | str, section: object) -> list[dict[str, Any]] | None:
     if section is None:
         return None
     if not isinstance(section, list):
@@ -649,9 +725,9 @@ def read_params(directory: str | os.PathLike[str]) -> dict[str, Any]:
         raise _bad(path, f"unknown section(s) {unknown}")
     out: dict[str, Any] = {"format": _FORMAT, "format_version": version}
     if "retriever" in document:
-        out["retriever"] = _check_retriever(path, document["retriever"])
+        out["retriever"] = check_retriever_section(path, document["retriever"])
     if "builder" in document:
-        out["builder"] = _check_builder(path, document["builder"])
+        out["builder"] = check_builder_section(path, document["builder"])
     if "documents" in document:
-        out["documents"] = _check_documents(path, document["documents"])
+        out["documents"] = check_documents_section(path, document["documents"])
     return out

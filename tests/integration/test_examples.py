@@ -35,6 +35,7 @@ def test_every_example_is_tested() -> None:
         "04_langchain.py",
         "05_persist_and_load.py",
         "07_langchain_chroma.py",
+        "08_llamaindex_chroma.py",
     ]
 
 
@@ -98,3 +99,16 @@ def test_07_langchain_chroma_against_the_server(chroma_server) -> None:  # type:
     assert "Chroma.similarity_search" in proc.stdout
     # The example removes its collection from a shared server.
     assert not [c for c in chroma_server.client().list_collections() if "essays-raptor" in c.name]
+
+
+def test_08_llamaindex_chroma_against_the_server(chroma_server) -> None:  # type: ignore[no-untyped-def]
+    env = {"CHROMA_HOST": chroma_server.host, "CHROMA_PORT": str(chroma_server.port)}
+    proc = _run("08_llamaindex_chroma.py", env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "into Chroma collection" in proc.stdout
+    assert "reopened: RaptorIndex(ChromaVectorStore" in proc.stdout
+    assert "CHILD links" in proc.stdout
+    # The example removes its collection from a shared server.
+    assert not [
+        c for c in chroma_server.client().list_collections() if "essays-raptor-li" in c.name
+    ]

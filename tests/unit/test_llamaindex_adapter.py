@@ -63,6 +63,7 @@ EXPECTED_ALL = [
     "RAPTOR_METADATA_KEYS",
     "LlamaIndexEmbedder",
     "LlamaIndexLLM",
+    "LlamaIndexNodeStore",
     "LlamaIndexSummarizer",
     "RaptorEmbedding",
     "RaptorIndex",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import logging
 from collections.abc import Iterator
@@ -390,15 +389,28 @@ def test_summaries_never_carry_a_node_record() -> None:
     assert all(LLAMAINDEX_NODE_KEY not in s.metadata for s in summaries)
 
 
-@pytest.mark.xfail(
-    "nodes" not in inspect.signature(RaptorIndex.__init__).parameters,
-    reason="RaptorIndex(nodes=...) comes with RaptorIndex as a BaseIndex (issue 12, branch li)",
-    strict=False,
-)
 def test_the_constructor_takes_nodes_as_leaves() -> None:
     nodes = user_nodes()
-    index = RaptorIndex(nodes=nodes, embed_model=FakeEmbedder(16), **fast())  # type: ignore[call-arg]
+    index = RaptorIndex(nodes=nodes, embed_model=FakeEmbedder(16), **fast())
     assert sorted(leaf.id for leaf in index.tree.leaves) == sorted(n.node_id for n in nodes)
     assert index.ref_doc_ids == ("book-0", "book-1")
     index.delete_ref_doc("book-0")
     assert sorted(leaf.id for leaf in index.tree.leaves) == ["node-bees", "node-rockets"]
+
+
+def test_refresh_and_update_with_transformations_work_per_source_document() -> None:
+    splitter = SentenceSplitter(chunk_size=40, chunk_overlap=0)
+    docs = [Document(text=TEXTS[t] * 2, id_=t) for t in ("cats", "rockets")]
+    index = RaptorIndex.from_documents(
+        docs, embed_model=FakeEmbedder(16), transformations=[splitter], **fast()
+    )
+    assert set(index.ref_doc_info) == {"cats", "rockets"}
+    assert all(info.node_ids for info in index.ref_doc_info.values())
+    # Hashes are kept per source document, so an unchanged one is not rebuilt or duplicated.
+    changed = Document(text=TEXTS["bread"] * 2, id_="rockets")
+    assert index.refresh_ref_docs([docs[0], changed]) == [False, True]
+    assert index.ref_doc_ids == ("cats", "rockets")
+    rockets = [leaf for leaf in index.tree.leaves if leaf.doc_id == "rockets"]
+    text = " ".join(leaf.text for leaf in rockets)
+    assert "Bakers" in text and "Rockets" not in text
+    assert all(leaf.span is None for leaf in rockets)  # the splitter's nodes, not re-chunked

@@ -25,7 +25,6 @@ from raptor_llamaindex.pack import (
     RaptorPack,
     RaptorRetriever,
     SummaryModule,
-    _supports_storage_context,
 )
 
 TOPICS = {
@@ -157,18 +156,6 @@ def test_existing_index_is_searched() -> None:
         RaptorRetriever([], existing_index=object())  # type: ignore[arg-type]
 
 
-def test_vector_store_unsupported_says_so() -> None:
-    if _supports_storage_context():
-        pytest.skip("RaptorIndex takes a storage_context: see the test below")
-    with pytest.raises(InvalidParameterError, match="vector_store= is not supported"):
-        make_pack(vector_store=SimpleVectorStore())
-
-
-@pytest.mark.xfail(
-    not _supports_storage_context(),
-    reason="needs RaptorIndex.from_documents(storage_context=...) (issue 12, branch li)",
-    strict=False,
-)
 def test_vector_store_documented_usage(tmp_path: Path) -> None:
     store = SimpleVectorStore()
     pack = make_pack(vector_store=store)

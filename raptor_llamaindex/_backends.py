@@ -1,0 +1,318 @@
+"""How :class:`~raptor_llamaindex.store.LlamaIndexNodeStore` talks to one kind of LlamaIndex vector store.
+
+LlamaIndex's ``BasePydanticVectorStore`` API adds nodes (with their embeddings), deletes
+them, gets them by id and searches with ``VectorStoreQuery`` and ``MetadataFilters``.  A
+RAPTOR tree needs a little more: read stored vectors back to score exactly, list and count
+the nodes.  A *backend* is the small piece that does this for one store:
+
+* :class:`SimpleBackend` for ``SimpleVectorStore`` (vectors in its dictionaries, texts in
+  the docstore beside it);
+* :class:`ChromaBackend` for ``ChromaVectorStore`` (vectors read back from its collection);
+* :class:`GenericBackend` for any other store, through the public API only.
+
+A backend never sees a :class:`~raptor_core.tree.Node`: the store encodes nodes as
+LlamaIndex ``TextNode`` objects and decodes what a backend returns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from llama_index.core.schema import BaseNode, TextNode
+from llama_index.core.storage.docstore.simple_docstore import SimpleDocumentStore
+from llama_index.core.storage.docstore.types import BaseDocumentStore
+from llama_index.core.vector_stores.simple import SimpleVectorStore
+from llama_index.core.vector_stores.types import (
+    BasePydanticVectorStore,
+    MetadataFilters,
+    VectorStoreQuery,
+)
+from llama_index.core.vector_stores.utils import build_metadata_filter_fn, metadata_dict_to_node
+from numpy.typing import NDArray
+
+from raptor_core.exceptions import InvalidParameterError
+
+__all__ = ["BATCH", "ChromaBackend", "GenericBackend", "Row", "SimpleBackend", "backend_for"]
+
+#: Nodes per request when reading or writing in pages.
+BATCH = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    node: BaseNode
+    vector: NDArray[np.float32] | None
+
+
+class GenericBackend:
+    """The generic backend: the public ``BasePydanticVectorStore`` API only."""
+
+    #: the store takes nested MetadataFilters (not every integration does: only flat
+    #: conditions are pushed down to an unknown store, the rest is checked in Python)
+    nested = False
+    #: the store returns vectors (else scores are the store's own similarities)
+    has_vectors = False
+
+    def __init__(self, vector_store: BasePydanticVectorStore, docstore: BaseDocumentStore | None):
+        self.vector_store = vector_store
+        self.docstore = docstore
+
+    def add(self, nodes: Sequence[TextNode]) -> None:
+        self.vector_store.add(list(nodes))
+        if self.docstore is not None:
+            plain = [n.model_copy(update={"embedding": None}) for n in nodes]
+            self.docstore.add_documents(plain, allow_update=True)
+
+    def delete(self, ids: Sequence[str]) -> None:
+        if not ids:
+            return
+        self.vector_store.delete_nodes(node_ids=list(ids))
+        if self.docstore is not None:
+            for node_id in ids:
+                self.docstore.delete_document(node_id, raise_error=False)
+
+    def fetch(self, ids: Sequence[str]) -> list[Row]:
+        if not ids:
+            return []
+        if self.docstore is not None and not self.vector_store.stores_text:
+            found = self.docstore.get_nodes(list(ids), raise_error=False)
+            return [Row(n, None) for n in found if n is not None]
+        nodes = self.vector_store.get_nodes(node_ids=list(ids))
+        return [Row(n, _vector(n.embedding)) for n in nodes]
+
+    def query(
+        self, q: NDArray[np.float32], m: int, filters: MetadataFilters | None, ids: Any = None
+    ) -> list[tuple[str, float]]:
+        result = self.vector_store.query(
+            VectorStoreQuery(
+                query_embedding=[float(x) for x in q],
+                similarity_top_k=m,
+                filters=filters,
+                node_ids=None if ids is None else list(ids),
+            )
+        )
+        found = result.ids or [n.node_id for n in result.nodes or []]
+        sims = result.similarities or [math.nan] * len(found)
+        return list(zip(found, sims, strict=False))
+
+    def scan(self) -> Iterator[BaseNode]:
+        try:
+            nodes = self.vector_store.get_nodes(node_ids=None)
+        except NotImplementedError as exc:
+            msg = (
+                f"{type(self.vector_store).__name__} cannot list its nodes (get_nodes); "
+                "strategies that read every leaf (passage) need a store that can"
+            )
+            raise InvalidParameterError(msg) from exc
+        yield from nodes
+
+    def count(self) -> int:
+        return sum(1 for _ in self.scan())
+
+    def max_layer(self) -> int:
+        return max((_layer(n.metadata) for n in self.scan()), default=-1)
+
+    def dim(self) -> int | None:
+        for node in self.scan():
+            vector = _vector(node.embedding)
+            if vector is not None:
+                return int(vector.shape[0])
+        return None
+
+
+def _vector(value: Any) -> NDArray[np.float32] | None:
+    if value is None:
+        return None
+    arr = np.asarray(value, dtype=np.float32).reshape(-1)
+    return arr if arr.size else None
+
+
+def _layer(meta: Mapping[str, Any] | None) -> int:
+    value = (meta or {}).get("raptor_layer")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return -1
+    return int(value)
+
+
+class SimpleBackend(GenericBackend):
+    """``SimpleVectorStore``: vectors and metadata in its dictionaries, texts in the docstore.
+
+    Searches compute what ``SimpleVectorStore.query`` computes (exact cosine over its
+    embedding dictionary, filters through LlamaIndex's own filter function), but over one
+    numpy matrix and boolean masks kept between writes: its ``query`` turns every stored
+    list into an array on every call, ten times slower at a few thousand nodes.  The cache
+    is keyed on the dictionary's identity and size and on our own writes, so nodes added
+    through LlamaIndex's API are seen too.
+    """
+
+    nested = False  # its filter function refuses nested MetadataFilters
+    has_vectors = True
+    vector_store: SimpleVectorStore
+
+    def __init__(self, vector_store: SimpleVectorStore, docstore: BaseDocumentStore) -> None:
+        super().__init__(vector_store, docstore)
+        self._writes = 0
+        self._cache: tuple[Any, list[str], NDArray[np.float32]] | None = None
+        self._masks: dict[str, NDArray[np.bool_]] = {}
+
+    def add(self, nodes: Sequence[TextNode]) -> None:
+        super().add(nodes)
+        self._writes += 1
+
+    def delete(self, ids: Sequence[str]) -> None:
+        super().delete(ids)
+        self._writes += 1
+
+    def _matrix(self) -> tuple[list[str], NDArray[np.float32]]:
+        data = self.vector_store.data.embedding_dict
+        key = (id(data), len(data), self._writes)
+        if self._cache is None or self._cache[0] != key:
+            ids = list(data)
+            matrix = np.asarray([data[i] for i in ids], dtype=np.float32).reshape(len(ids), -1)
+            norms = np.linalg.norm(matrix, axis=1, keepdims=True)
+            norms[norms == 0] = 1.0
+            self._cache = (key, ids, matrix / norms)
+            self._masks.clear()
+        return self._cache[1], self._cache[2]
+
+    def query(
+        self, q: NDArray[np.float32], m: int, filters: MetadataFilters | None, ids: Any = None
+    ) -> list[tuple[str, float]]:
+        from raptor_core.retrieval.base import top_rows
+
+        order, matrix = self._matrix()
+        rows: NDArray[np.intp] | None = None
+        if filters is not None:
+            key = filters.model_dump_json()
+            mask = self._masks.get(key)
+            if mask is None:
+                metas = self.vector_store.data.metadata_dict or {}
+                passes = build_metadata_filter_fn(lambda i: metas.get(i, {}), filters)
+                mask = np.fromiter((passes(i) for i in order), dtype=np.bool_, count=len(order))
+                self._masks[key] = mask
+            rows = np.flatnonzero(mask)
+        if ids is not None:
+            wanted = set(ids)
+            allowed = np.fromiter((i in wanted for i in order), dtype=np.bool_, count=len(order))
+            rows = np.flatnonzero(allowed) if rows is None else rows[allowed[rows]]
+        if not order or (rows is not None and rows.size == 0):
+            return []
+        if rows is None:
+            scores = matrix @ q
+        elif rows.size * 4 < len(order):
+            scores = matrix[rows] @ q  # gathering a few rows beats multiplying them all
+        else:
+            scores = (matrix @ q)[rows]
+        best = top_rows(scores, min(m, scores.shape[0]))
+        positions = best if rows is None else rows[best]
+        return [(order[p], float(scores[b])) for p, b in zip(positions, best, strict=True)]
+
+    def fetch(self, ids: Sequence[str]) -> list[Row]:
+        assert self.docstore is not None
+        vectors = self.vector_store.data.embedding_dict
+        present = [i for i in ids if i in vectors]
+        found = self.docstore.get_nodes(present, raise_error=False) if present else []
+        return [Row(n, _vector(vectors[n.node_id])) for n in found if n is not None]
+
+    def scan(self) -> Iterator[BaseNode]:
+        assert self.docstore is not None
+        ids = list(self.vector_store.data.embedding_dict)
+        for start in range(0, len(ids), BATCH):
+            for node in self.docstore.get_nodes(ids[start : start + BATCH], raise_error=False):
+                if node is not None:
+                    yield node
+
+    def count(self) -> int:
+        return len(self.vector_store.data.embedding_dict)
+
+    def max_layer(self) -> int:
+        metas = self.vector_store.data.metadata_dict or {}
+        return max((_layer(m) for m in metas.values()), default=-1)
+
+    def dim(self) -> int | None:
+        first = next(iter(self.vector_store.data.embedding_dict.values()), None)
+        return None if first is None else len(first)
+
+
+class ChromaBackend(GenericBackend):
+    """``ChromaVectorStore``: vectors read back from its collection (``vector_store.client``)."""
+
+    nested = True
+    has_vectors = True
+
+    @property
+    def collection(self) -> Any:
+        return self.vector_store.client
+
+    def delete(self, ids: Sequence[str]) -> None:
+        for start in range(0, len(ids), BATCH):
+            self.collection.delete(ids=list(ids[start : start + BATCH]))
+
+    @staticmethod
+    def _rows(got: Mapping[str, Any], vectors: bool) -> list[Row]:
+        embeddings = got.get("embeddings") if vectors else None
+        rows = []
+        for i, meta in enumerate(got["metadatas"]):
+            try:
+                node = metadata_dict_to_node(meta or {}, text=got["documents"][i])
+            except ValueError:
+                # A record LlamaIndex did not write: not a tree node, so never returned.
+                node = TextNode(id_=got["ids"][i], text=got["documents"][i] or "")
+            vector = None if embeddings is None else _vector(embeddings[i])
+            rows.append(Row(node, vector))
+        return rows
+
+    def fetch(self, ids: Sequence[str]) -> list[Row]:
+        rows: list[Row] = []
+        for start in range(0, len(ids), BATCH):
+            got = self.collection.get(
+                ids=list(ids[start : start + BATCH]),
+                include=["metadatas", "documents", "embeddings"],
+            )
+            rows += self._rows(got, vectors=True)
+        return rows
+
+    def scan(self) -> Iterator[BaseNode]:
+        offset = 0
+        while True:
+            got = self.collection.get(
+                limit=BATCH, offset=offset, include=["metadatas", "documents"]
+            )
+            for row in self._rows(got, vectors=False):
+                yield row.node
+            if len(got["ids"]) < BATCH:
+                return
+            offset += BATCH
+
+    def count(self) -> int:
+        return int(self.collection.count())
+
+    def max_layer(self) -> int:
+        # Probe upwards with one-id gets: trees have a handful of layers.
+        top = -1
+        while self.collection.get(where={"raptor_layer": top + 1}, limit=1, include=[])["ids"]:
+            top += 1
+        return top
+
+    def dim(self) -> int | None:
+        got = self.collection.get(limit=1, include=["embeddings"])
+        embeddings = got.get("embeddings")
+        if embeddings is None or len(embeddings) == 0:
+            return None
+        return len(embeddings[0])
+
+
+def backend_for(
+    vector_store: BasePydanticVectorStore, docstore: BaseDocumentStore | None
+) -> GenericBackend:
+    if isinstance(vector_store, SimpleVectorStore):
+        return SimpleBackend(vector_store, docstore or SimpleDocumentStore())
+    if vector_store.class_name() == "ChromaVectorStore":
+        return ChromaBackend(vector_store, None)
+    if not vector_store.stores_text and docstore is None:
+        docstore = SimpleDocumentStore()
+    return GenericBackend(vector_store, docstore if not vector_store.stores_text else None)

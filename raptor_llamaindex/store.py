@@ -1,0 +1,712 @@
+"""A RAPTOR tree inside a LlamaIndex vector store: :class:`LlamaIndexNodeStore`.
+
+Every node of every layer becomes one LlamaIndex ``TextNode`` in the vector store (and,
+for stores that keep no text, such as ``SimpleVectorStore``, in the docstore beside it), so a
+pipeline that already runs on Chroma, Qdrant or pgvector through LlamaIndex keeps one
+storage system, and every retrieval strategy of :mod:`raptor_core.retrieval` runs on it.
+
+**Node ⇄ TextNode.**  ``id_`` is the node id, ``text`` its text, ``start_char_idx`` /
+``end_char_idx`` a chunk's span.  Relationships link the tree the LlamaIndex way:
+``SOURCE`` is the node's document (so a chunk's ``ref_doc_id`` is its document id),
+``CHILD`` the nodes a summary condenses, ``PARENT`` the first summary that includes the node
+(all of them in ``raptor_parents``: a chunk may sit in several clusters).  The metadata holds
+the user's scalar metadata plus ``raptor_``-prefixed keys, all hidden from prompts and
+embeddings (``excluded_*_metadata_keys``):
+
+=====================  =========================================================================
+``raptor_layer``       0 for a chunk, 1+ for summaries (int)
+``raptor_token_count`` tokens in the text (int)
+``raptor_carried``     1 when the node is a carried copy of its only child, else 0
+``raptor_doc_id``      the node's document (absent for summaries over several documents)
+``raptor_span_start``  a chunk's character offsets in its document (absent for summaries)
+``raptor_span_end``
+``raptor_children``    ids of the nodes a summary condenses (a JSON string)
+``raptor_parents``     ids of the summaries that include the node (a JSON string)
+``raptor_doc_ids``     the documents the node covers (a JSON string)
+``raptor_metadata``    the node's full user metadata as JSON (lists, ``None`` and nested values
+                       survive here; the top level keeps scalars only)
+=====================  =========================================================================
+
+Nothing is stored as a list: chromadb 1.5 leaks list-valued metadata between collections,
+and flat-metadata stores refuse lists.  Writes delete the ids first and then add, because
+some integrations (Chroma's) ``add`` without replacing and Chroma's own upsert merges
+metadata.
+
+**Backends.**  Scores are exact cosines computed from the stored vectors, read back through
+a small backend per store (:mod:`raptor_llamaindex._backends`): ``SimpleVectorStore`` (its
+embedding dictionary, searched as its own ``query`` does, over a cached matrix),
+``ChromaVectorStore`` (its collection, ``include=["embeddings"]``) and any other
+``BasePydanticVectorStore`` through the public API only (``add``, ``delete_nodes``,
+``get_nodes``, ``query``), where scores are the store's own similarities when it returns no
+vectors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from llama_index.core.schema import (
+    BaseNode,
+    MetadataMode,
+    NodeRelationship,
+    RelatedNodeInfo,
+    TextNode,
+)
+from llama_index.core.storage.docstore.types import BaseDocumentStore
+from llama_index.core.vector_stores.types import (
+    BasePydanticVectorStore,
+    FilterCondition,
+    FilterOperator,
+    MetadataFilter,
+    MetadataFilters,
+)
+from llama_index.core.vector_stores.utils import build_metadata_filter_fn
+from numpy.typing import NDArray
+
+from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
+from raptor_core.store.filters import check_where, compile_where
+from raptor_core.tree import Node, Tree, is_carried
+from raptor_core.types import Match, NodeFilter
+from raptor_llamaindex._backends import BATCH, backend_for
+
+__all__ = [
+    "STORE_METADATA_KEYS",
+    "LlamaIndexNodeStore",
+    "core_where",
+    "node_to_text_node",
+    "text_node_to_node",
+]
+
+_PREFIX = "raptor_"
+#: Metadata keys LlamaIndex writes itself next to a node's metadata (node_to_metadata_dict).
+_RESERVED = frozenset({"doc_id", "document_id", "ref_doc_id", "_node_content", "_node_type"})
+#: The structural keys every stored node carries (see the module docstring).
+STORE_METADATA_KEYS = (
+    "raptor_layer",
+    "raptor_token_count",
+    "raptor_carried",
+    "raptor_doc_id",
+    "raptor_span_start",
+    "raptor_span_end",
+    "raptor_children",
+    "raptor_parents",
+    "raptor_doc_ids",
+    "raptor_metadata",
+)
+# Searches whose filter runs partly in Python ask for this many extra nodes first, and
+# four times more each time too few pass.
+_SLACK = 8
+
+
+# -- node <-> TextNode -------------------------------------------------------------------------
+def _scalar(value: object) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, str | int | bool)
+
+
+def node_to_text_node(node: Node, vector: NDArray[np.float32] | None = None) -> TextNode:
+    """The LlamaIndex ``TextNode`` of ``node`` (see the module docstring for what it carries).
+
+    Examples:
+        >>> leaf = Node(id="a", text="Bees dance.", layer=0, token_count=3, doc_id="d",
+        ...             span=(0, 11), doc_ids=("d",), metadata={"source": "bees.md"})
+        >>> text_node = node_to_text_node(leaf)
+        >>> text_node.ref_doc_id, text_node.metadata["source"], text_node.metadata["raptor_layer"]
+        ('d', 'bees.md', 0)
+        >>> text_node_to_node(text_node) == leaf
+        True
+    """
+    meta: dict[str, Any] = {
+        key: value
+        for key, value in node.metadata.items()
+        if not key.startswith(_PREFIX) and key not in _RESERVED and _scalar(value)
+    }
+    meta["raptor_layer"] = node.layer
+    meta["raptor_token_count"] = node.token_count
+    # An int, not a bool: LlamaIndex's MetadataFilter takes no booleans.
+    meta["raptor_carried"] = int(is_carried(node))
+    if node.doc_id is not None:
+        meta["raptor_doc_id"] = node.doc_id
+    if node.span is not None:
+        meta["raptor_span_start"], meta["raptor_span_end"] = node.span
+    meta["raptor_children"] = json.dumps(list(node.children))
+    meta["raptor_parents"] = json.dumps(list(node.parents))
+    meta["raptor_doc_ids"] = json.dumps(list(node.doc_ids))
+    meta["raptor_metadata"] = json.dumps(dict(node.metadata), sort_keys=True)
+    relationships: dict[NodeRelationship, Any] = {}
+    if node.doc_id is not None:
+        relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id=node.doc_id)
+    if node.parents:
+        relationships[NodeRelationship.PARENT] = RelatedNodeInfo(node_id=node.parents[0])
+    if node.children:
+        relationships[NodeRelationship.CHILD] = [RelatedNodeInfo(node_id=c) for c in node.children]
+    hidden = [k for k in STORE_METADATA_KEYS if k in meta]
+    return TextNode(
+        id_=node.id,
+        text=node.text,
+        metadata=meta,
+        relationships=relationships,
+        excluded_embed_metadata_keys=hidden,
+        excluded_llm_metadata_keys=hidden,
+        start_char_idx=node.span[0] if node.span is not None else None,
+        end_char_idx=node.span[1] if node.span is not None else None,
+        embedding=None if vector is None else [float(x) for x in vector],
+    )
+
+
+def _int(meta: Mapping[str, Any], key: str) -> int:
+    value = meta[key]
+    # Some stores hand numbers back as floats; a non-integral one is damage.
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        msg = f"{key} should be an integer, got {value!r}"
+        raise TypeError(msg)
+    return int(value)
+
+
+def _ids(meta: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    raw = meta.get(key)
+    value = json.loads(raw) if isinstance(raw, str) else raw
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        msg = f"{key} should be a JSON list of ids, got {raw!r:.80}"
+        raise TypeError(msg)
+    return tuple(value)
+
+
+def is_raptor_node(node: BaseNode) -> bool:
+    """Whether a LlamaIndex node encodes a tree node (not a foreign one)."""
+    meta = node.metadata
+    return bool(meta) and "raptor_layer" in meta and "raptor_metadata" in meta
+
+
+def text_node_to_node(text_node: BaseNode) -> Node:
+    """The tree node a stored LlamaIndex node encodes (inverse of :func:`node_to_text_node`).
+
+    Raises:
+        TreeFormatError: the node is not a RAPTOR node, or its ``raptor_`` keys are damaged.
+    """
+    meta = text_node.metadata or {}
+    try:
+        if not is_raptor_node(text_node):
+            msg = "it has no raptor_layer/raptor_metadata keys"
+            raise KeyError(msg)
+        metadata = json.loads(meta["raptor_metadata"])
+        if not isinstance(metadata, dict):
+            msg = f"raptor_metadata should hold a JSON object, got {type(metadata).__name__}"
+            raise TypeError(msg)
+        doc_id = meta.get("raptor_doc_id")
+        # Chroma's integration writes None as "": no document either way.
+        doc_id = None if doc_id in (None, "") else str(doc_id)
+        has_span = meta.get("raptor_span_start") not in (None, "")
+        return Node(
+            id=text_node.node_id,
+            text=text_node.get_content(metadata_mode=MetadataMode.NONE),
+            layer=_int(meta, "raptor_layer"),
+            token_count=_int(meta, "raptor_token_count"),
+            children=_ids(meta, "raptor_children"),
+            doc_id=doc_id,
+            span=(_int(meta, "raptor_span_start"), _int(meta, "raptor_span_end"))
+            if has_span
+            else None,
+            doc_ids=_ids(meta, "raptor_doc_ids"),
+            metadata=metadata,
+            parents=_ids(meta, "raptor_parents"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        msg = (
+            f"node {text_node.node_id!r} in the vector store is not a RAPTOR node ({exc}): "
+            "the store must hold only what RaptorIndex wrote into it"
+        )
+        raise TreeFormatError(msg) from exc
+
+
+# -- filters -----------------------------------------------------------------------------------
+_CORE_OPS = {
+    FilterOperator.EQ: "$eq",
+    FilterOperator.NE: "$ne",
+    FilterOperator.GT: "$gt",
+    FilterOperator.GTE: "$gte",
+    FilterOperator.LT: "$lt",
+    FilterOperator.LTE: "$lte",
+    FilterOperator.IN: "$in",
+    FilterOperator.NIN: "$nin",
+}
+_LI_OPS = {v: k for k, v in _CORE_OPS.items()}
+#: LlamaIndex's names for a node's document id, all meaning the core's ``doc_id``.
+_DOC_KEYS = frozenset({"doc_id", "document_id", "ref_doc_id"})
+
+
+def core_where(filters: MetadataFilters) -> dict[str, Any]:
+    """Translate LlamaIndex ``MetadataFilters`` into the core filter dialect.
+
+    ``doc_id``, ``document_id`` and ``ref_doc_id`` all mean the node's document.  Nested
+    ``MetadataFilters`` and the ``and``/``or`` conditions translate; ``not`` and the
+    operators without a core twin (``text_match``, ``contains``, ``any``, ``all``,
+    ``is_empty``) raise.
+
+    Raises:
+        InvalidParameterError: an operator or condition the core dialect lacks.
+
+    Examples:
+        >>> from llama_index.core.vector_stores import MetadataFilter, MetadataFilters
+        >>> core_where(MetadataFilters(filters=[
+        ...     MetadataFilter(key="ref_doc_id", value="bees"),
+        ...     MetadataFilter(key="year", value=2000, operator=">="),
+        ... ]))
+        {'$and': [{'doc_id': {'$eq': 'bees'}}, {'year': {'$gte': 2000}}]}
+    """
+    parts: list[dict[str, Any]] = []
+    for item in filters.filters:
+        if isinstance(item, MetadataFilters):
+            parts.append(core_where(item))
+            continue
+        op = _CORE_OPS.get(FilterOperator(item.operator))
+        if op is None:
+            msg = (
+                f"filter operator {item.operator!r} on {item.key!r} has no RAPTOR equivalent: "
+                f"use one of {', '.join(o.value for o in _CORE_OPS)}"
+            )
+            raise InvalidParameterError(msg)
+        key = "doc_id" if item.key in _DOC_KEYS else item.key
+        value = list(item.value) if isinstance(item.value, list | tuple) else item.value
+        parts.append({key: {op: value}})
+    condition = filters.condition or FilterCondition.AND
+    if condition not in (FilterCondition.AND, FilterCondition.OR):
+        msg = f"filter condition {condition!r} is not supported: use 'and' or 'or'"
+        raise InvalidParameterError(msg)
+    if not parts:
+        msg = "MetadataFilters without filters: pass None for no filter"
+        raise InvalidParameterError(msg)
+    if len(parts) == 1:
+        return parts[0]
+    return {"$and" if condition == FilterCondition.AND else "$or": parts}
+
+
+def _li_condition(field: str, op: str, value: Any) -> MetadataFilter | None:
+    """One LlamaIndex filter for a core condition, or None when stores would disagree."""
+    if op in ("$in", "$nin"):
+        kinds = {type(v) for v in value}
+        ok = (
+            bool(value)
+            and len(kinds) == 1
+            and all(_scalar(v) and not isinstance(v, bool) for v in value)
+        )
+        value = list(value)
+    elif op in ("$eq", "$ne"):
+        ok = _scalar(value) and not isinstance(value, bool)  # MetadataFilter takes no bools
+    else:
+        # Vector stores order numbers; the core also orders strings.
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok:
+        return None
+    return MetadataFilter(key=field, operator=_LI_OPS[op], value=value)
+
+
+def _li_filters(
+    where: Mapping[str, Any], nested: bool
+) -> tuple[list[MetadataFilter | MetadataFilters], bool]:
+    """A core filter as a list of LlamaIndex filters to AND, and whether it is exact.
+
+    The list passes at least what ``where`` passes; parts without a twin are left out (the
+    caller checks them in Python).  ``nested``: the store takes nested ``MetadataFilters``
+    (needed for ``$or``).
+    """
+    parts: list[MetadataFilter | MetadataFilters] = []
+    exact = True
+    for key, condition in where.items():
+        if key == "$and":
+            for sub in condition:
+                sub_parts, sub_exact = _li_filters(sub, nested)
+                parts += sub_parts
+                exact = exact and sub_exact
+            continue
+        if key == "$or":
+            subs = [_li_filters(sub, nested) for sub in condition]
+            if nested and all(p for p, _ in subs):
+                branches = [
+                    p[0]
+                    if len(p) == 1
+                    else MetadataFilters(filters=p, condition=FilterCondition.AND)
+                    for p, _ in subs
+                ]
+                parts.append(MetadataFilters(filters=branches, condition=FilterCondition.OR))
+                exact = exact and all(e for _, e in subs)
+            else:
+                exact = False  # an unconstrained branch: the $or passes anything
+            continue
+        if key.startswith(_PREFIX) or key in _RESERVED - {"doc_id"}:
+            exact = False  # stored in raptor_metadata only
+            continue
+        field = "raptor_doc_id" if key == "doc_id" else key
+        ops = condition if isinstance(condition, Mapping) else {"$eq": condition}
+        for op, value in ops.items():
+            clause = _li_condition(field, op, value)
+            if clause is None:
+                exact = False
+            else:
+                parts.append(clause)
+    return parts, exact
+
+
+def _unit(vectors: object, n: int, dim: int | None) -> NDArray[np.float32]:
+    arr = np.asarray(vectors, dtype=np.float32)
+    if arr.size == 0 and n == 0:
+        return np.zeros((0, dim or 0), dtype=np.float32)
+    if arr.ndim != 2 or arr.shape[0] != n:
+        msg = f"add() needs one vector per node: got {n} nodes, vectors of shape {arr.shape}"
+        raise InvalidInputError(msg)
+    if dim is not None and arr.shape[1] != dim:
+        msg = f"vectors have dimension {arr.shape[1]} but the store holds dimension {dim}"
+        raise InvalidInputError(msg)
+    if not np.all(np.isfinite(arr)):
+        msg = "vectors contain NaN or infinite values"
+        raise InvalidInputError(msg)
+    norms = np.linalg.norm(arr.astype(np.float64), axis=1, keepdims=True)
+    if np.any(norms == 0.0):
+        msg = "vectors contain an all-zero row; cosine similarity is undefined for it"
+        raise InvalidInputError(msg)
+    return np.ascontiguousarray(arr / norms, dtype=np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """The part of a :class:`Tree` that checking a caller's embedder reads."""
+
+    params: Mapping[str, Any]
+    dim: int
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
+
+
+# -- the store ---------------------------------------------------------------------------------
+class LlamaIndexNodeStore:
+    """A :class:`~raptor_core.types.NodeStore` inside a LlamaIndex vector store.
+
+    Every retrieval strategy runs on it unchanged (pass it where a Tree goes);
+    :class:`~raptor_llamaindex.RaptorIndex` writes into one made from its
+    ``StorageContext``.
+
+    Args:
+        vector_store: any LlamaIndex ``BasePydanticVectorStore`` (``SimpleVectorStore``,
+            ``ChromaVectorStore``, ...), holding one tree.
+        docstore: where node texts go when the vector store keeps none
+            (``SimpleVectorStore``); default: a new ``SimpleDocumentStore``.
+        params: how the stored tree was built (``Tree.params``), for checking embedders.
+
+    Examples:
+        >>> from llama_index.core.vector_stores import SimpleVectorStore
+        >>> from raptor_core import CollapsedTreeRetriever
+        >>> from raptor_core.testing import FakeEmbedder, tiny_tree
+        >>> tree = tiny_tree()
+        >>> store = LlamaIndexNodeStore(SimpleVectorStore())
+        >>> store.add_tree(tree)
+        >>> len(store) == len(tree)
+        True
+        >>> hits = CollapsedTreeRetriever(store, FakeEmbedder(dim=tree.dim), k=2).retrieve("cats")
+        >>> len(hits)
+        2
+    """
+
+    def __init__(
+        self,
+        vector_store: BasePydanticVectorStore,
+        *,
+        docstore: BaseDocumentStore | None = None,
+        params: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.vector_store = vector_store
+        self.backend = backend_for(vector_store, docstore)
+        self.docstore = self.backend.docstore
+        self.params: dict[str, Any] = dict(params or {})
+        self._dim: int | None = None
+        self._top: int | None = None
+
+    def __repr__(self) -> str:
+        return f"LlamaIndexNodeStore({type(self.vector_store).__name__})"
+
+    # -- shape -----------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.backend.count()
+
+    def __iter__(self) -> Iterator[Node]:
+        for node in self.backend.scan():
+            if is_raptor_node(node):
+                yield text_node_to_node(node)
+
+    @property
+    def dim(self) -> int | None:
+        """Vector dimension (None while nothing is stored)."""
+        if self._dim is None:
+            self._dim = self.backend.dim()
+        return self._dim
+
+    @property
+    def top_layer(self) -> int:
+        """The highest layer stored (-1 while empty)."""
+        if self._top is None:
+            self._top = self.backend.max_layer()
+        return self._top
+
+    def shape(self) -> _Shape:
+        """What checking a caller's embedder reads: the recorded params, dim and size."""
+        return _Shape(params=self.params, dim=self.dim or 0, size=len(self))
+
+    # -- writes ----------------------------------------------------------------------------------
+    def add(self, nodes: Sequence[Node], vectors: NDArray[np.float32]) -> None:
+        """Upsert ``nodes`` with their vectors (stored ids are deleted, then all are added).
+
+        Raises:
+            InvalidInputError: one finite, non-zero vector per node is needed, of the
+                store's dimension; ids must be unique within one call.
+        """
+        nodes = list(nodes)
+        ids = [n.id for n in nodes]
+        if len(set(ids)) != len(ids):
+            msg = "add() got the same node id twice in one call"
+            raise InvalidInputError(msg)
+        arr = _unit(vectors, len(nodes), self.dim if len(nodes) else None)
+        if not nodes:
+            return
+        self.backend.delete(ids)
+        self.backend.add([node_to_text_node(n, v) for n, v in zip(nodes, arr, strict=True)])
+        self._top = None
+        if self._dim is None:
+            self._dim = int(arr.shape[1])
+
+    def delete(self, ids: Sequence[str]) -> None:
+        """Remove the nodes with these ids; unknown ids are ignored."""
+        self.backend.delete(list(dict.fromkeys(ids)))
+        self._top = None
+
+    def add_tree(self, tree: Tree, *, batch_size: int = BATCH) -> None:
+        """Write every node of ``tree`` and remember its ``params``."""
+        nodes = list(tree.nodes)
+        for start in range(0, len(nodes), batch_size):
+            self.add(nodes[start : start + batch_size], tree.embeddings[start : start + batch_size])
+        self.params = dict(tree.params)
+
+    # -- reads -----------------------------------------------------------------------------------
+    def _rows(self, ids: Sequence[str]) -> list[tuple[Node, BaseNode, NDArray[np.float32] | None]]:
+        rows = self.backend.fetch(list(dict.fromkeys(ids)))
+        return [
+            (text_node_to_node(r.node), r.node, r.vector) for r in rows if is_raptor_node(r.node)
+        ]
+
+    def get(self, ids: Sequence[str]) -> list[Node]:
+        """The stored nodes with these ids, in the order asked; unknown ids are left out."""
+        by_id = {node.id: node for node, _, _ in self._rows(ids)}
+        return [by_id[i] for i in ids if i in by_id]
+
+    def vectors(self, ids: Sequence[str]) -> NDArray[np.float32]:
+        """The ``(len(ids), d)`` unit vectors of these ids.
+
+        Raises:
+            KeyError: an id is not stored.
+            InvalidParameterError: the store returns no vectors.
+        """
+        ids = list(ids)
+        by_id = {node.id: vector for node, _, vector in self._rows(ids)}
+        missing = [i for i in ids if i not in by_id]
+        if missing:
+            raise KeyError(missing[0])
+        if not ids:
+            return np.zeros((0, self.dim or 0), dtype=np.float32)
+        if any(v is None for v in by_id.values()):
+            msg = f"{type(self.vector_store).__name__} returns no stored vectors"
+            raise InvalidParameterError(msg)
+        return _unit(np.stack([by_id[i] for i in ids]), len(ids), None)  # type: ignore[misc]
+
+    def to_tree(self) -> Tree:
+        """The stored nodes as an in-memory :class:`Tree` (layer by layer), for ``Tree.save``.
+
+        Raises:
+            TreeFormatError: the stored nodes do not form a tree.
+        """
+        nodes = sorted(self, key=lambda n: n.layer)
+        if not nodes:
+            return Tree(
+                nodes=(), embeddings=np.zeros((0, self.dim or 0), dtype=np.float32),
+                params=self.params,
+            )  # fmt: skip
+        matrix = self.vectors([n.id for n in nodes])
+        return Tree(nodes=tuple(nodes), embeddings=matrix, params=self.params)
+
+    # -- search ----------------------------------------------------------------------------------
+    def search(
+        self, vector: NDArray[np.float32], k: int, *, where: NodeFilter | None = None
+    ) -> list[Match]:
+        """The ``k`` stored nodes most similar to ``vector`` passing ``where``, best first.
+
+        ``where.native`` is a LlamaIndex ``MetadataFilters`` over the stored metadata (the
+        ``raptor_`` keys above, your scalar keys, LlamaIndex's ``doc_id``/``ref_doc_id``).
+
+        Raises:
+            InvalidParameterError: ``k`` is not a positive integer, a filter is malformed.
+            InvalidInputError: the vector's dimension is not the store's.
+        """
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+            msg = f"k must be a positive integer, got {k!r}"
+            raise InvalidParameterError(msg)
+        where = where if where is not None else NodeFilter()
+        if where.where is not None:
+            check_where(where.where)
+        if where.native is not None and not isinstance(where.native, MetadataFilters):
+            msg = (
+                "LlamaIndexNodeStore takes a LlamaIndex MetadataFilters as a native filter, "
+                f"got {type(where.native).__name__}"
+            )
+            raise InvalidParameterError(msg)
+        q = np.asarray(vector, dtype=np.float32).reshape(-1)
+        dim = self.dim
+        if dim is None and len(self) == 0:
+            return []
+        if dim is not None and q.shape[0] != dim:
+            msg = f"query vector has dimension {q.shape[0]} but the store holds {dim}"
+            raise InvalidInputError(msg)
+        if (where.layers is not None and not where.layers) or (
+            where.doc_ids is not None and not where.doc_ids
+        ):
+            return []
+        ids = where.ids
+        if where.parents is not None:
+            children = frozenset(c for p in self.get(sorted(where.parents)) for c in p.children)
+            ids = children if ids is None else ids & children
+        if ids is not None and not ids:
+            return []
+        accepts = self._accepts(where, ids)
+        if ids is not None and self.backend.has_vectors:
+            # A known set of ids (a traversal step): score them exactly, no ANN search.
+            return self._rank(self._score(q, self._rows(sorted(ids)), accepts, {}), int(k))
+        return self._search_store(q, int(k), where, ids, accepts)
+
+    @staticmethod
+    def _accepts(where: NodeFilter, ids: frozenset[str] | None) -> Callable[[Node, BaseNode], bool]:
+        passes = compile_where(where.where) if where.where is not None else None
+        native = where.native
+
+        def accepts(node: Node, stored: BaseNode) -> bool:
+            if where.layers is not None and node.layer not in where.layers:
+                return False
+            if not where.include_carried and is_carried(node):
+                return False
+            if where.doc_ids is not None and node.doc_id not in where.doc_ids:
+                return False
+            if ids is not None and node.id not in ids:
+                return False
+            if passes is not None and not passes(node):
+                return False
+            return native is None or _native_passes(native, _stored_metadata(stored))
+
+        return accepts
+
+    def _filters(self, where: NodeFilter) -> tuple[MetadataFilters | None, bool]:
+        parts: list[MetadataFilter | MetadataFilters] = []
+        if where.layers is not None:
+            parts.append(
+                MetadataFilter(
+                    key="raptor_layer", operator=FilterOperator.IN, value=sorted(where.layers)
+                )
+            )
+        if not where.include_carried:
+            parts.append(MetadataFilter(key="raptor_carried", value=0))
+        if where.doc_ids is not None:
+            parts.append(
+                MetadataFilter(
+                    key="raptor_doc_id", operator=FilterOperator.IN, value=sorted(where.doc_ids)
+                )
+            )
+        exact = True
+        if where.where is not None:
+            translated, exact = _li_filters(where.where, self.backend.nested)
+            parts += translated
+        if where.native is not None:
+            flat_and = where.native.condition in (None, FilterCondition.AND) and not any(
+                isinstance(f, MetadataFilters) for f in where.native.filters
+            )
+            if flat_and:
+                parts += list(where.native.filters)
+            elif self.backend.nested:
+                parts.append(where.native)
+            else:
+                exact = False  # checked in Python on an over-fetched result
+        if not parts:
+            return None, exact
+        return MetadataFilters(filters=parts, condition=FilterCondition.AND), exact
+
+    @staticmethod
+    def _rank(scored: list[tuple[Node, float]], k: int) -> list[Match]:
+        # Equal scores (a summary that copies its only child's text) go lower layer first,
+        # as in the in-memory store, which keeps the tree's layer-major order.
+        scored.sort(key=lambda pair: (-pair[1], pair[0].layer))
+        return [Match(node, score) for node, score in scored[:k]]
+
+    @staticmethod
+    def _score(
+        q: NDArray[np.float32],
+        rows: Sequence[tuple[Node, BaseNode, NDArray[np.float32] | None]],
+        accepts: Callable[[Node, BaseNode], bool],
+        similarities: Mapping[str, float],
+    ) -> list[tuple[Node, float]]:
+        out = []
+        for node, stored, vector in rows:
+            if not accepts(node, stored):
+                continue
+            if vector is not None:
+                score = float(vector @ q / (np.linalg.norm(vector) or 1.0))
+            else:
+                score = float(similarities.get(node.id, math.nan))
+            out.append((node, score))
+        return out
+
+    def _search_store(
+        self,
+        q: NDArray[np.float32],
+        k: int,
+        where: NodeFilter,
+        ids: frozenset[str] | None,
+        accepts: Callable[[Node, BaseNode], bool],
+    ) -> list[Match]:
+        """Search the store; widen the search while the checks in Python drop too many."""
+        filters, exact = self._filters(where)
+        m = k if exact and ids is None else k + _SLACK
+        if ids is not None:
+            m = max(m, len(ids))
+        while True:
+            found = self.backend.query(q, m, filters, ids)
+            rows = self._rows([i for i, _ in found])
+            scored = self._score(q, rows, accepts, dict(found))
+            if len(scored) >= k or len(found) < m:
+                return self._rank(scored, k)
+            m *= 4
+
+
+def _stored_metadata(stored: BaseNode) -> dict[str, Any]:
+    """The metadata a vector store filters on: the node's, plus LlamaIndex's document keys."""
+    ref = stored.ref_doc_id or "None"
+    return {**stored.metadata, "doc_id": ref, "document_id": ref, "ref_doc_id": ref}
+
+
+def _native_passes(filters: MetadataFilters, meta: Mapping[str, Any]) -> bool:
+    """Evaluate LlamaIndex filters (nested ones too) on one node's stored metadata."""
+    results = []
+    for item in filters.filters:
+        if isinstance(item, MetadataFilters):
+            results.append(_native_passes(item, meta))
+        else:
+            check = build_metadata_filter_fn(lambda _: meta, MetadataFilters(filters=[item]))
+            results.append(bool(check("")))
+    condition = filters.condition or FilterCondition.AND
+    if condition == FilterCondition.AND:
+        return all(results)
+    if condition == FilterCondition.OR:
+        return any(results)
+    return not any(results)

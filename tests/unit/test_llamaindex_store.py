@@ -1,0 +1,515 @@
+"""RaptorIndex and LlamaIndexNodeStore over SimpleVectorStore, offline with fakes.
+
+* The NodeStore conformance suite over ``SimpleVectorStore`` (texts in a docstore).
+* Nodes as LlamaIndex ``TextNode`` objects: relationships, metadata, hidden keys.
+* ``RaptorIndex`` as a ``BaseIndex``: the storage context, ``load_index_from_storage``,
+  updates written into the vector store, ``filters=``, a tampered index store.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_index.core")
+
+from llama_index.core import Document, StorageContext, load_index_from_storage
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core.indices.base import BaseIndex
+from llama_index.core.llms import MockLLM
+from llama_index.core.schema import BaseNode, NodeRelationship, TextNode
+from llama_index.core.vector_stores import (
+    FilterCondition,
+    FilterOperator,
+    MetadataFilter,
+    MetadataFilters,
+    SimpleVectorStore,
+)
+from llama_index.core.vector_stores.types import (
+    BasePydanticVectorStore,
+    VectorStoreQuery,
+    VectorStoreQueryResult,
+)
+from llama_index.core.vector_stores.utils import build_metadata_filter_fn
+
+from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
+from raptor_core.retrieval.registry import make_retriever
+from raptor_core.testing import (
+    EchoSummarizer,
+    FakeEmbedder,
+    GroupClusterer,
+    NodeStoreTests,
+    WhitespaceTokenizer,
+    store_tree,
+)
+from raptor_core.tree import is_carried
+from raptor_llamaindex import LlamaIndexNodeStore, RaptorIndex
+from raptor_llamaindex.store import core_where, node_to_text_node, text_node_to_node
+
+DOCS = {
+    "cats": (
+        "pets",
+        "Cats purr softly. Cats sleep in the sun. Kittens chase string. A cat grooms.",
+    ),
+    "rockets": ("space", "Rockets burn fuel. Boosters land on barges. Orbit needs great speed."),
+    "bread": ("food", "Bread rises with yeast. Sourdough needs a starter. Ovens bake loaves."),
+}
+
+
+def documents() -> list[Document]:
+    return [
+        Document(text=text, id_=doc_id, metadata={"topic": topic})
+        for doc_id, (topic, text) in DOCS.items()
+    ]
+
+
+def options(**extra: Any) -> dict[str, Any]:
+    return {
+        "embed_model": FakeEmbedder(32),
+        "summarizer": EchoSummarizer(),
+        "tokenizer": WhitespaceTokenizer(),
+        "clusterer": GroupClusterer(2),
+        "min_layer_size": 2,
+        "chunk_max_tokens": 8,
+        "summary_max_tokens": 10,
+        "random_state": 0,
+        "strategy": "collapsed",
+        **extra,
+    }
+
+
+def assert_same_ranking(got: list[tuple[str, float]], want: list[tuple[str, float]]) -> None:
+    """Same scores in the same order; ids may swap only among equal scores (bag-of-words
+    fakes tie often, and which of several tied nodes comes first is each store's own)."""
+    assert [round(s, 5) for _, s in got] == [round(s, 5) for _, s in want]
+    last = round(want[-1][1], 5) if want else None
+    for score in {round(s, 5) for _, s in want} - {last}:
+        assert {i for i, s in got if round(s, 5) == score} == {
+            i for i, s in want if round(s, 5) == score
+        }
+
+
+def answers(index: Any, query: str, **kwargs: Any) -> list[tuple[str, float]]:
+    return [
+        (n.node.node_id, round(float(n.score or 0), 6))
+        for n in index.as_retriever(**kwargs).retrieve(query)
+    ]
+
+
+# -- the store ---------------------------------------------------------------------------------
+class TestSimpleVectorStoreNodeStore(NodeStoreTests):
+    def make_store(self) -> LlamaIndexNodeStore:
+        return LlamaIndexNodeStore(SimpleVectorStore())
+
+
+class DictVectorStore(BasePydanticVectorStore):
+    """A store LlamaIndexNodeStore has no backend for: nodes in a dict, exact cosine search.
+
+    Like many integrations it keeps texts, returns nodes from ``get_nodes`` and filters with
+    LlamaIndex's flat ``MetadataFilters`` only.
+    """
+
+    stores_text: bool = True
+    _nodes: dict[str, BaseNode] = PrivateAttr(default_factory=dict)
+
+    @property
+    def client(self) -> None:
+        return None
+
+    def add(self, nodes: Sequence[BaseNode], **_: Any) -> list[str]:
+        for node in nodes:
+            self._nodes[node.node_id] = node
+        return [n.node_id for n in nodes]
+
+    def delete(self, ref_doc_id: str, **_: Any) -> None:
+        self._nodes = {i: n for i, n in self._nodes.items() if n.ref_doc_id != ref_doc_id}
+
+    def delete_nodes(
+        self, node_ids: list[str] | None = None, filters: Any = None, **_: Any
+    ) -> None:
+        for node_id in node_ids or []:
+            self._nodes.pop(node_id, None)
+
+    def get_nodes(
+        self, node_ids: list[str] | None = None, filters: Any = None, **_: Any
+    ) -> list[BaseNode]:
+        if node_ids is None:
+            return list(self._nodes.values())
+        return [self._nodes[i] for i in node_ids if i in self._nodes]
+
+    def query(self, query: VectorStoreQuery, **_: Any) -> VectorStoreQueryResult:
+        passes = build_metadata_filter_fn(lambda i: self._nodes[i].metadata, query.filters)
+        allowed = None if query.node_ids is None else set(query.node_ids)
+        q = np.asarray(query.query_embedding, dtype=np.float64)
+        scored = [
+            (float(np.dot(n.get_embedding(), q)), i)
+            for i, n in self._nodes.items()
+            if (allowed is None or i in allowed) and passes(i)
+        ]
+        order = sorted(range(len(scored)), key=lambda j: -scored[j][0])[: query.similarity_top_k]
+        return VectorStoreQueryResult(
+            nodes=[self._nodes[scored[j][1]] for j in order],
+            similarities=[scored[j][0] for j in order],
+            ids=[scored[j][1] for j in order],
+        )
+
+
+class TestGenericVectorStoreNodeStore(NodeStoreTests):
+    """Any other vector store, through the public BasePydanticVectorStore API only."""
+
+    def make_store(self) -> LlamaIndexNodeStore:
+        store = LlamaIndexNodeStore(DictVectorStore())
+        assert type(store.backend).__name__ == "GenericBackend"
+        return store
+
+    def test_a_reopened_store_searches(self) -> None:
+        """A new LlamaIndexNodeStore over a filled store learns the dimension from it."""
+        store, tree = self.filled()
+        reopened = LlamaIndexNodeStore(store.vector_store)
+        assert reopened.dim == tree.dim
+        assert [m.node.id for m in reopened.search(self.query(), 4)] == [
+            m.node.id for m in store.search(self.query(), 4)
+        ]
+
+
+def test_nodes_are_linked_text_nodes() -> None:
+    tree = store_tree(32)
+    summary = next(n for n in tree.nodes if n.layer == 1 and len(n.children) > 1)
+    leaf = tree.node(summary.children[0])
+    stored = node_to_text_node(summary)
+    assert isinstance(stored, TextNode)
+    assert [r.node_id for r in stored.relationships[NodeRelationship.CHILD]] == list(
+        summary.children
+    )  # type: ignore[union-attr]
+    assert json.loads(stored.metadata["raptor_doc_ids"]) == list(summary.doc_ids)
+    assert stored.metadata["raptor_layer"] == 1
+    chunk = node_to_text_node(leaf)
+    assert chunk.ref_doc_id == leaf.doc_id  # SOURCE: the chunk's document
+    assert chunk.relationships[NodeRelationship.PARENT].node_id == leaf.parents[0]  # type: ignore[union-attr]
+    assert (chunk.start_char_idx, chunk.end_char_idx) == leaf.span
+    # Our bookkeeping never reaches prompts or embeddings.
+    assert "raptor_layer" not in chunk.get_content(metadata_mode="llm")  # type: ignore[arg-type]
+    assert "raptor_layer" not in chunk.get_content(metadata_mode="embed")  # type: ignore[arg-type]
+    assert all(text_node_to_node(node_to_text_node(n)) == n for n in tree.nodes)
+    assert any(is_carried(n) for n in tree.nodes)
+
+
+def test_foreign_nodes_are_refused() -> None:
+    with pytest.raises(TreeFormatError, match="not a RAPTOR node"):
+        text_node_to_node(TextNode(text="hello", id_="x"))
+    damaged = node_to_text_node(store_tree(32).leaves[0])
+    damaged.metadata["raptor_children"] = "{not json"
+    with pytest.raises(TreeFormatError):
+        text_node_to_node(damaged)
+
+
+def test_llamaindex_filters_translate_to_the_core_dialect() -> None:
+    filters = MetadataFilters(
+        filters=[
+            MetadataFilter(key="ref_doc_id", value="bees"),
+            MetadataFilters(
+                filters=[
+                    MetadataFilter(key="year", operator=FilterOperator.GTE, value=2000),
+                    MetadataFilter(key="lang", operator=FilterOperator.IN, value=["de", "fr"]),
+                ],
+                condition=FilterCondition.OR,
+            ),
+        ]
+    )
+    assert core_where(filters) == {
+        "$and": [
+            {"doc_id": {"$eq": "bees"}},
+            {"$or": [{"year": {"$gte": 2000}}, {"lang": {"$in": ["de", "fr"]}}]},
+        ]
+    }
+    with pytest.raises(InvalidParameterError, match="text_match"):
+        core_where(
+            MetadataFilters(filters=[MetadataFilter(key="t", operator="text_match", value="x")])
+        )
+    with pytest.raises(InvalidParameterError, match="not"):
+        core_where(MetadataFilters(filters=[MetadataFilter(key="t", value="x")], condition="not"))
+
+
+def test_native_llamaindex_filters_on_the_store() -> None:
+    tree = store_tree(32)
+    store = LlamaIndexNodeStore(SimpleVectorStore())
+    store.add_tree(tree)
+    from raptor_core.types import NodeFilter
+
+    q = tree.embeddings[0]
+    native = MetadataFilters(
+        filters=[
+            MetadataFilter(key="topic", value="nature"),
+            MetadataFilter(key="raptor_layer", value=0),
+        ]
+    )
+    found = store.search(q, 50, where=NodeFilter(native=native))
+    assert found and all(m.node.layer == 0 and m.node.metadata["topic"] == "nature" for m in found)
+    expected = store.search(
+        q, 50, where=NodeFilter(layers=frozenset({0}), where={"topic": "nature"})
+    )
+    assert [m.node.id for m in found] == [m.node.id for m in expected]
+    with pytest.raises(InvalidParameterError, match="MetadataFilters"):
+        store.search(q, 3, where=NodeFilter(native=lambda n: True))
+
+
+# -- the index ---------------------------------------------------------------------------------
+def test_index_is_a_llamaindex_index_over_its_vector_store() -> None:
+    index = RaptorIndex.from_documents(documents(), **options())
+    assert isinstance(index, BaseIndex)
+    vector_store = index.storage_context.vector_store
+    assert isinstance(vector_store, SimpleVectorStore)
+    tree = index.tree
+    assert tree.num_layers >= 2
+    # Every layer is in the vector store, the texts in the docstore beside it.
+    assert set(vector_store.data.embedding_dict) == {n.id for n in tree.nodes}
+    summary = next(n for n in tree.nodes if n.layer == 1)
+    stored = index.storage_context.docstore.get_node(summary.id)
+    assert [r.node_id for r in stored.relationships[NodeRelationship.CHILD]] == list(
+        summary.children
+    )  # type: ignore[union-attr]
+    assert index.ref_doc_info["cats"].node_ids == [n.id for n in tree.leaves if n.doc_id == "cats"]
+    # Strategies search the store, and find what the in-memory tree finds.
+    retriever = index.as_retriever(similarity_top_k=5)
+    assert retriever.store is index.store
+    on_tree = make_retriever("collapsed", tree, index.embedder, k=5).retrieve("rockets and orbit")
+    assert [n.node.node_id for n in retriever.retrieve("rockets and orbit")] == [
+        h.id for h in on_tree
+    ]
+
+
+def test_build_into_a_given_storage_context_and_reload(tmp_path: Path) -> None:
+    vector_store = SimpleVectorStore()
+    context = StorageContext.from_defaults(vector_store=vector_store)
+    index = RaptorIndex.from_documents(documents(), storage_context=context, **options())
+    assert index.storage_context.vector_store is vector_store
+    assert len(vector_store.data.embedding_dict) == len(index.tree)
+    before = answers(index, "cats sleep in the sun", similarity_top_k=4)
+    index.storage_context.persist(persist_dir=tmp_path)
+
+    loaded = load_index_from_storage(
+        StorageContext.from_defaults(persist_dir=tmp_path), embed_model=FakeEmbedder(32)
+    )
+    assert isinstance(loaded, RaptorIndex)
+    assert loaded.ref_doc_ids == tuple(DOCS)
+    assert loaded.retriever_kwargs == {"strategy": "collapsed"}
+    assert answers(loaded, "cats sleep in the sun", similarity_top_k=4) == before
+    assert [n.to_dict() for n in loaded.tree.nodes] == [n.to_dict() for n in index.tree.nodes]
+    # The build parameters came back too: an update gives the tree a fresh build would.
+    loaded = load_index_from_storage(
+        StorageContext.from_defaults(persist_dir=tmp_path),
+        embed_model=FakeEmbedder(32),
+        summarizer=EchoSummarizer(),
+        tokenizer=WhitespaceTokenizer(),
+        clusterer=GroupClusterer(2),
+    )
+    extra = Document(text="Volcanoes erupt lava. Magma rises from the mantle.", id_="volcano")
+    loaded.insert(extra)
+    fresh = RaptorIndex.from_documents([*documents(), extra], **options())
+    assert [n.to_dict() for n in loaded.tree.nodes] == [n.to_dict() for n in fresh.tree.nodes]
+
+
+def test_the_recorded_embedder_is_recreated_on_load(tmp_path: Path) -> None:
+    index = RaptorIndex.from_documents(documents(), **options())
+    index.storage_context.persist(persist_dir=tmp_path)
+    loaded = load_index_from_storage(StorageContext.from_defaults(persist_dir=tmp_path))
+    assert answers(loaded, "bread") == answers(index, "bread")
+    with pytest.raises(InvalidParameterError, match="dimensions"):
+        load_index_from_storage(
+            StorageContext.from_defaults(persist_dir=tmp_path), embed_model=FakeEmbedder(16)
+        )
+
+
+def test_updates_are_written_into_the_vector_store() -> None:
+    index = RaptorIndex.from_documents(documents(), **options())
+    vector_store = index.storage_context.vector_store
+    retriever = index.as_retriever(similarity_top_k=3)
+    index.insert(Document(text="Volcanoes erupt lava. Magma rises from the mantle.", id_="volcano"))
+    assert set(vector_store.data.embedding_dict) == {n.id for n in index.tree.nodes}
+    assert (
+        "volcano" in retriever.retrieve("volcanoes erupt lava")[0].node.metadata["raptor_doc_ids"]
+    )
+    index.delete_ref_doc("cats")
+    ids = set(vector_store.data.embedding_dict)
+    assert ids == {n.id for n in index.tree.nodes}
+    assert not any(n.doc_id == "cats" for n in index.store)
+    assert len(index.storage_context.docstore.docs) == len(ids)
+    index.update_ref_doc(Document(text="Bread needs flour, water and salt.", id_="bread"))
+    assert "flour" in " ".join(n.text for n in index.store if n.doc_id == "bread")
+    with pytest.raises(InvalidInputError, match="cats"):
+        index.delete_ref_doc("cats")
+    with pytest.raises(InvalidParameterError, match="delete_ref_doc"):
+        index.delete_nodes([index.tree.leaves[0].id])
+
+
+def test_a_vector_store_holding_nodes_is_not_built_into() -> None:
+    context = StorageContext.from_defaults(vector_store=SimpleVectorStore())
+    RaptorIndex.from_documents(documents(), storage_context=context, **options())
+    embedder = FakeEmbedder(32)
+    with pytest.raises(InvalidParameterError, match="load_index_from_storage"):
+        RaptorIndex.from_documents(
+            documents(), storage_context=context, **options(embed_model=embedder)
+        )
+    assert embedder.calls == 0
+
+
+def test_filters_are_honoured_like_the_core_where() -> None:
+    index = RaptorIndex.from_documents(documents(), **options())
+    by_doc = MetadataFilters(filters=[MetadataFilter(key="doc_id", value="rockets")])
+    nodes = index.as_retriever(similarity_top_k=10, filters=by_doc).retrieve("cats and bread")
+    assert nodes and all(n.node.ref_doc_id == "rockets" for n in nodes)
+    by_topic = MetadataFilters(
+        filters=[MetadataFilter(key="topic", operator=FilterOperator.IN, value=["pets", "food"])]
+    )
+    for strategy in ("collapsed", "traversal", "value", "passage", "mmr"):
+        query = "cats sleep and bread rises"
+        got = index.as_retriever(strategy=strategy, similarity_top_k=5, filters=by_topic).retrieve(
+            query
+        )
+        want = make_retriever(
+            strategy, index.tree, index.embedder, k=5, where={"topic": {"$in": ["pets", "food"]}}
+        ).retrieve(query)
+        assert_same_ranking(
+            [(n.node.node_id, float(n.score or 0)) for n in got], [(h.id, h.score) for h in want]
+        )
+        assert all(set(n.node.metadata["raptor_doc_ids"]) <= {"cats", "bread"} for n in got)
+    engine = index.as_query_engine(llm=MockLLM(), filters=by_doc)
+    assert all(n.node.ref_doc_id == "rockets" for n in engine.query("cats").source_nodes)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("builder", {"cache": "/etc"}, None),
+        ("builder", {"chunk_max_tokens": "lots"}, "chunk_max_tokens"),
+        ("retriever", {"strategy": "os.system"}, "unknown strategy"),
+        ("retriever", {"index": "faiss"}, "unknown retriever parameter"),
+        ("params", ["not", "an", "object"], "params"),
+        ("format_version", 99, "format_version"),
+        ("documents", [{"doc_id": 1, "text": "x"}], "document #0"),
+    ],
+)
+def test_a_tampered_index_store_is_refused(
+    tmp_path: Path, field: str, value: Any, match: str | None
+) -> None:
+    RaptorIndex.from_documents(documents(), **options()).storage_context.persist(
+        persist_dir=tmp_path
+    )
+    path = tmp_path / "index_store.json"
+    saved = json.loads(path.read_text())
+    (entry,) = saved["index_store/data"].values()
+    data = json.loads(entry["__data__"])
+    data[field] = value
+    entry["__data__"] = json.dumps(data)
+    path.write_text(json.dumps(saved))
+    context = StorageContext.from_defaults(persist_dir=tmp_path)
+    if match is None:  # dropped with a warning, never used
+        loaded = load_index_from_storage(context, embed_model=FakeEmbedder(32))
+        assert "cache" not in loaded._builder_kwargs
+        return
+    with pytest.raises(TreeFormatError, match=match):
+        load_index_from_storage(context, embed_model=FakeEmbedder(32))
+
+
+def test_unknown_load_arguments_are_refused(tmp_path: Path) -> None:
+    RaptorIndex.from_documents(documents(), **options()).storage_context.persist(
+        persist_dir=tmp_path
+    )
+    with pytest.raises(InvalidParameterError, match="similarity_top_kk"):
+        load_index_from_storage(
+            StorageContext.from_defaults(persist_dir=tmp_path), similarity_top_kk=3
+        )
+
+
+def test_legacy_persist_and_load_still_work(tmp_path: Path) -> None:
+    index = RaptorIndex.from_documents(documents(), **options())
+    index.persist(tmp_path)
+    loaded = RaptorIndex.load(tmp_path, embed_model=FakeEmbedder(32))
+    assert isinstance(loaded.storage_context.vector_store, SimpleVectorStore)
+    assert answers(loaded, "cats") == answers(index, "cats")
+
+
+def test_refresh_ref_docs_updates_only_what_changed() -> None:
+    index = RaptorIndex.from_documents(documents(), **options())
+    changed = Document(text="Bread needs flour, water and salt. Ovens bake loaves.", id_="bread")
+    new = Document(text="Volcanoes erupt lava. Magma rises from the mantle.", id_="volcano")
+    assert index.refresh_ref_docs([*documents()[:2], changed, new]) == [False, False, True, True]
+    assert index.ref_doc_ids == ("cats", "rockets", "bread", "volcano")
+    assert "flour" in " ".join(n.text for n in index.store if n.doc_id == "bread")
+    assert set(index.storage_context.vector_store.data.embedding_dict) == {
+        n.id for n in index.tree.nodes
+    }
+
+
+class CountingEmbedding(BaseEmbedding):
+    """A LlamaIndex embedding model over FakeEmbedder that counts sync and async query calls."""
+
+    _fake: FakeEmbedder = PrivateAttr(default_factory=lambda: FakeEmbedder(32))
+    _calls: dict[str, int] = PrivateAttr(default_factory=dict)
+
+    def _count(self, name: str) -> None:
+        self._calls[name] = self._calls.get(name, 0) + 1
+
+    def _get_query_embedding(self, query: str) -> list[float]:
+        self._count("query")
+        return self._fake.embed_query(query).tolist()
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        self._count("aquery")
+        return self._fake.embed_query(query).tolist()
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return self._fake.embed_documents([text])[0].tolist()
+
+
+async def test_async_retrieval_over_the_store_uses_the_models_async_api() -> None:
+    model = CountingEmbedding()
+    index = RaptorIndex.from_documents(documents(), **options(embed_model=model))
+    model._calls.clear()
+    retriever = index.as_retriever(similarity_top_k=3)
+    nodes = await retriever.aretrieve("cats sleep")
+    assert model._calls == {"aquery": 1}  # off the loop for the store, async for the model
+    assert [(n.node.node_id, n.score) for n in nodes] == [
+        (n.node.node_id, n.score) for n in retriever.retrieve("cats sleep")
+    ]
+
+
+def test_an_update_rewrites_only_the_nodes_that_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    index = RaptorIndex.from_documents(documents(), **options())
+    before = {n.id for n in index.tree.nodes}
+    written: list[str] = []
+    add = index.store.backend.add
+    monkeypatch.setattr(
+        index.store.backend,
+        "add",
+        lambda nodes: (written.extend(n.node_id for n in nodes), add(nodes)),
+    )
+    index.insert(Document(text="Volcanoes erupt lava. Magma rises from the mantle.", id_="volcano"))
+    after = {n.id for n in index.tree.nodes}
+    assert written and set(written) <= after
+    assert set(written) >= after - before  # every new node is written ...
+    assert len(written) < len(after)  # ... and the unchanged chunks are not
+    assert set(index.storage_context.vector_store.data.embedding_dict) == after
+
+
+def test_simple_vector_store_searches_see_writes_made_through_llamaindex() -> None:
+    tree = store_tree(32)
+    store = LlamaIndexNodeStore(SimpleVectorStore())
+    store.add_tree(tree)
+    leaf = tree.leaves[0]
+    q = -tree.embeddings[tree.row(leaf.id)]
+    assert store.search(q, 1)[0].node.id != leaf.id  # warm the cached matrix
+    # Another writer (LlamaIndex's own API) adds a node with the opposite vector.
+    from dataclasses import replace
+
+    twin = replace(leaf, id="twin", parents=())
+    text_node = node_to_text_node(twin, q)
+    store.vector_store.add([text_node])
+    store.docstore.add_documents([text_node])  # type: ignore[union-attr]
+    assert store.search(q, 1)[0].node.id == "twin"
