@@ -161,7 +161,10 @@ def prepare_insert(tree: Tree, documents: Iterable[DocumentLike]) -> list[Docume
     """
     docs = _normalise(tree, documents)
     existing = set(tree.doc_ids)
-    clash = [d.doc_id for d in docs if d.doc_id in existing]
+    # A pre-split chunk (chunk_of set) belongs to its source document: that id must be new.
+    clash = list(
+        dict.fromkeys(d.chunk_of or d.doc_id for d in docs if (d.chunk_of or d.doc_id) in existing)
+    )
     if clash:
         msg = (
             f"document id(s) {clash[:5]} are already in the tree: use update() (raptor update) to replace a "
@@ -226,6 +229,14 @@ def _normalise(tree: Tree, documents: Iterable[DocumentLike]) -> list[Document]:
     if not docs:
         msg = "no documents given"
         raise InvalidInputError(msg)
+    for d in docs:
+        # A pre-split chunk's id is its leaf's id: it may only be taken by its own document.
+        if d.chunk_of is not None and d.doc_id in tree and tree.node(d.doc_id).doc_id != d.chunk_of:
+            msg = (
+                f"chunk id {d.doc_id!r} (of document {d.chunk_of!r}) is already the id of a node "
+                "of another document in the tree: give the chunk another id"
+            )
+            raise InvalidInputError(msg)
     return docs
 
 
@@ -288,19 +299,22 @@ class _UpdateRun(_BuildRun):
         for leaf in self.layer_nodes:
             by_doc.setdefault(str(leaf.doc_id), []).append(leaf)
         keep: list[Node] = []
-        for doc in self.docs:
-            new = by_doc[doc.doc_id]
-            if doc.doc_id in existing:
-                old = old_leaves.get(doc.doc_id, [])
-                if [(n.id, dict(n.metadata)) for n in new] == [
-                    (n.id, dict(n.metadata)) for n in old
+        # Pre-split chunks (chunk_of set) are leaves of their source document: a source is
+        # added, replaced or unchanged as a whole, whichever of its chunks are given.
+        for source in dict.fromkeys(d.chunk_of or d.doc_id for d in self.docs):
+            new = by_doc[source]
+            if source in existing:
+                old = old_leaves.get(source, [])
+                # The text too: a pre-split chunk's id is its tool's, not derived from its text.
+                if [(n.id, n.text, dict(n.metadata)) for n in new] == [
+                    (n.id, n.text, dict(n.metadata)) for n in old
                 ]:
-                    self.docs_unchanged.append(doc.doc_id)
+                    self.docs_unchanged.append(source)
                     continue
-                self.docs_replaced.append(doc.doc_id)
-                self.removing.append(doc.doc_id)
+                self.docs_replaced.append(source)
+                self.removing.append(source)
             else:
-                self.docs_added.append(doc.doc_id)
+                self.docs_added.append(source)
             keep.extend(new)
         self.layer_nodes = keep
         return [n.text for n in keep]

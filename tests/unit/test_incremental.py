@@ -330,3 +330,70 @@ def test_random_operation_sequences_keep_every_invariant(seed: int) -> None:
         for node in tree.nodes:
             if len(node.children) > 1:
                 assert sum(c.token_count for c in tree.children(node.id)) <= b.cluster_max_tokens
+
+
+# -- pre-split chunks (chunk_of): leaves of their source document, as LlamaIndex nodes are --------
+def chunks(name: str, source: str, n: int = 3, marker: str = "") -> list[Document]:
+    words = TOPICS[name].split()
+    return [
+        Document(
+            text=f"The {words[i]} and the {words[i + 3]} {marker} {i}.",
+            doc_id=f"{source}-chunk-{i}",
+            chunk_of=source,
+        )
+        for i in range(n)
+    ]
+
+
+def chunked_tree(b: TreeBuilder) -> Tree:
+    names = ("cats", "rockets", "bread", "rivers", "music")
+    return b.build([c for i, name in enumerate(names) for c in chunks(name, f"src-{i}")])
+
+
+def test_pre_split_chunks_are_inserted_under_their_source() -> None:
+    summarizer = EchoSummarizer()
+    b = builder(summarizer)
+    tree = chunked_tree(b)
+    summarizer.calls.clear()
+    result = b.insert(tree, chunks("chess", "src-chess"))
+    new, report = result.tree, result.report
+    check_tree_invariants(new, built=False, extractive=True)  # chunk ids are given
+    assert report.docs_added == ("src-chess",)
+    assert {n.id for n in new.leaves if n.doc_id == "src-chess"} == {
+        f"src-chess-chunk-{i}" for i in range(3)
+    }
+    assert report.embedded_chunks == 3
+    assert report.summary_calls == len(summarizer.calls) > 0
+    assert all(same_node(tree, new, leaf.id) for leaf in tree.leaves)
+    # The source id is what must be new: more chunks of a known source go through update.
+    with pytest.raises(InvalidParameterError, match="update"):
+        b.insert(new, chunks("chess", "src-0", marker="more"))
+
+
+def test_pre_split_update_compares_whole_sources_including_text() -> None:
+    b = builder()
+    tree = chunked_tree(b)
+    same = b.update(tree, chunks("bread", "src-2"))
+    assert same.tree is tree and same.report.docs_unchanged == ("src-2",)
+    # Same chunk ids, new text: a pre-split chunk's id does not follow its text.
+    edited = b.update(tree, chunks("bread", "src-2", n=2, marker="sourdough"))
+    new, report = edited.tree, edited.report
+    check_tree_invariants(new, built=False, extractive=True)  # chunk ids are given
+    assert report.docs_replaced == ("src-2",)
+    assert sorted(n.id for n in new.leaves if n.doc_id == "src-2") == [
+        "src-2-chunk-0",
+        "src-2-chunk-1",
+    ]
+    assert "src-2-chunk-0" in report.nodes_changed and "src-2-chunk-2" in report.nodes_removed
+    assert all("sourdough" in n.text for n in new.leaves if n.doc_id == "src-2")
+    deleted = b.delete(new, ["src-2"]).tree
+    assert "src-2" not in deleted.doc_ids
+    assert not any("sourdough" in n.text for n in deleted.nodes)
+
+
+def test_a_pre_split_chunk_may_not_take_another_documents_node_id() -> None:
+    b = builder()
+    tree = chunked_tree(b)
+    stolen = Document(text="chess knight bishop", doc_id="src-0-chunk-0", chunk_of="src-chess")
+    with pytest.raises(InvalidInputError, match="another id"):
+        b.update(tree, [stolen])
