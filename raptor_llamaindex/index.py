@@ -38,6 +38,7 @@ from llama_index.core.storage.docstore.types import RefDocInfo
 from llama_index.core.storage.storage_context import StorageContext
 
 from raptor_core.build.builder import ProgressCallback, TreeBuilder, describe
+from raptor_core.build.incremental import TreeUpdate, UpdateReport
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
 from raptor_core.tree import Tree
 from raptor_core.types import LLM, Document, Embedder, Summarizer
@@ -550,39 +551,115 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
                 progress.close()
 
     # -- the one update path -------------------------------------------------------------------
-    def _next_documents(self, added: Sequence[Any], removed: Sequence[str]) -> list[Document]:
-        """The documents after an update (checked before anything is built or written)."""
+    def _plan(
+        self, added: Sequence[Any], removed: Sequence[str]
+    ) -> tuple[list[Document], list[Document], list[str]]:
+        """Check an update before anything is paid: (documents after, to write, to delete).
+
+        The documents to write are the added ones plus, for a pre-split node added to a
+        source document the index holds (and does not remove), that source's current chunks:
+        the core replaces a source as a whole, and LlamaIndex lets ``insert_nodes`` add nodes
+        to a known ``ref_doc_id``.
+        """
         current = self.documents
-        if self._documents is None and current:
-            logger.info("rebuilding from documents rejoined from the tree's leaf chunks")
         gone = set(removed)
         missing = sorted(gone - {d.chunk_of or d.doc_id for d in current})
         if missing:
             msg = f"no document with id {missing[0]!r} in this index"
             raise InvalidInputError(msg)
-        kept = (d for d in current if (d.chunk_of or d.doc_id) not in gone)
-        return to_core_documents([*kept, *added])
+        kept = [d for d in current if (d.chunk_of or d.doc_id) not in gone]
+        docs = to_core_documents([*kept, *added])  # duplicates and bad input fail here
+        new = docs[len(kept) :]
+        grown = {d.chunk_of for d in new if d.chunk_of is not None}
+        write = [d for d in kept if (d.chunk_of or d.doc_id) in grown] + new
+        return docs, write, sorted(gone - {d.chunk_of or d.doc_id for d in write})
+
+    def _needs_build(self, tree: Tree, write: Sequence[Document]) -> bool:
+        # An empty tree has nothing to update; a tree of leaves only has no summary to keep
+        # (and the core never adds layers), so building it again costs no summary call.
+        return len(tree) == 0 or (bool(write) and tree.num_layers < 2)
 
     def _update(
         self, *, added: Sequence[Any] = (), removed: Sequence[str] = (), show_progress: bool = False
-    ) -> None:
-        """Add and remove documents: every update of the index goes through here.
+    ) -> UpdateReport | None:
+        """Add, replace and remove documents: every update of the index goes through here.
 
-        Today a rebuild over the new document set (written into the vector store as a
-        difference); the place to call an incremental tree update instead.
+        The tree is changed locally by :meth:`TreeBuilder.insert`/``update``/``delete`` and
+        only the nodes they report (added, changed or relinked; removed) are written to or
+        deleted from the vector store.  Returns the core's report (the last one when a
+        removal and a write both happen), or None when the tree was built whole.
         """
-        docs = self._next_documents(added, removed)
-        self._write(self._build(docs, show_progress=show_progress), docs)
+        docs, write, delete = self._plan(added, removed)
+        tree = self.tree
+        keep_docs = self._documents is not None
+        progress = _TqdmProgress() if show_progress else None
+        report: UpdateReport | None = None
+        try:
+            if not docs or self._needs_build(tree, write):
+                self._write(self._build(docs, show_progress=show_progress), docs)
+            else:
+                builder = self._builder(progress)
+                if delete:
+                    result = builder.delete(tree, delete)
+                    self._apply(result, docs if keep_docs else None)
+                    tree, report = result.tree, result.report
+                if write:
+                    known = set(tree.doc_ids)
+                    if any((d.chunk_of or d.doc_id) in known for d in write):
+                        result = builder.update(tree, write)
+                    else:
+                        result = builder.insert(tree, write)
+                    self._apply(result, docs if keep_docs else None)
+                    report = result.report
+        finally:
+            if progress is not None:
+                progress.close()
         self._after_update(added, removed)
+        return report
 
     async def _aupdate(
         self, *, added: Sequence[Any] = (), removed: Sequence[str] = (), show_progress: bool = False
-    ) -> None:
-        """Async :meth:`_update`."""
-        docs = self._next_documents(added, removed)
-        tree = await self._abuild(docs, show_progress=show_progress)
-        await asyncio.to_thread(self._write, tree, docs)
+    ) -> UpdateReport | None:
+        """Async :meth:`_update` (the core's async twins; store writes off the event loop)."""
+        docs, write, delete = await asyncio.to_thread(self._plan, added, removed)
+        tree = await asyncio.to_thread(lambda: self.tree)
+        keep_docs = self._documents is not None
+        progress = _TqdmProgress() if show_progress else None
+        report: UpdateReport | None = None
+        try:
+            if not docs or self._needs_build(tree, write):
+                built = await self._abuild(docs, show_progress=show_progress)
+                await asyncio.to_thread(self._write, built, docs)
+            else:
+                builder = self._builder(progress)
+                if delete:
+                    result = await builder.adelete(tree, delete)
+                    await asyncio.to_thread(self._apply, result, docs if keep_docs else None)
+                    tree, report = result.tree, result.report
+                if write:
+                    known = set(tree.doc_ids)
+                    if any((d.chunk_of or d.doc_id) in known for d in write):
+                        result = await builder.aupdate(tree, write)
+                    else:
+                        result = await builder.ainsert(tree, write)
+                    await asyncio.to_thread(self._apply, result, docs if keep_docs else None)
+                    report = result.report
+        finally:
+            if progress is not None:
+                progress.close()
         self._after_update(added, removed)
+        return report
+
+    def _apply(self, result: TreeUpdate, docs: list[Document] | None) -> None:
+        """Write one incremental update into the vector store: only what its report names."""
+        tree, report = result.tree, result.report
+        # Kept nodes whose parents changed are rewritten too: the store keeps PARENT links.
+        write = [*report.nodes_added, *report.nodes_changed, *report.nodes_relinked]
+        if write:
+            self._store.add([tree.node(i) for i in write], tree.embeddings[tree.rows(write)])
+        if report.nodes_removed:
+            self._store.delete(list(report.nodes_removed))
+        self._save_struct(tree, docs)
 
     def _after_update(self, added: Sequence[Any], removed: Sequence[str]) -> None:
         self._merge_excluded_keys(added)
@@ -771,6 +848,67 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         added = await arun_ingestion([document], self._transformations)
         await self._aupdate(added=added, removed=removed)
         self._record_hashes([document])
+
+    def refresh_ref_docs(self, documents: Sequence[Any], **_: Any) -> list[bool]:
+        """Insert new documents and update changed ones, in one incremental update.
+
+        As LlamaIndex does, a document whose hash matches the one recorded at its insert is
+        skipped without any work; the others go through the index's transformations and one
+        :meth:`TreeBuilder.update`.
+
+        Returns:
+            For each document, whether the index changed for it: it was new, or the tree's
+            chunks or metadata for it differ (a different hash with identical content, e.g. a
+            document indexed before its hash was recorded, is False).
+        """
+        with self._callback_manager.as_trace("refresh_ref_docs"):
+            todo = self._stale(documents)
+            if not todo:
+                return [False] * len(documents)
+            items = run_ingestion([documents[i] for i in todo], self._transformations)
+            report = self._update(added=items, removed=self._known(documents, todo))
+            self._record_hashes(documents[i] for i in todo)
+            return self._refreshed(documents, todo, report)
+
+    async def arefresh_ref_docs(self, documents: Sequence[Any], **_: Any) -> list[bool]:
+        """Async :meth:`refresh_ref_docs`."""
+        todo = await asyncio.to_thread(self._stale, documents)
+        if not todo:
+            return [False] * len(documents)
+        items = await arun_ingestion([documents[i] for i in todo], self._transformations)
+        report = await self._aupdate(added=items, removed=self._known(documents, todo))
+        self._record_hashes(documents[i] for i in todo)
+        return self._refreshed(documents, todo, report)
+
+    def _stale(self, documents: Sequence[Any]) -> list[int]:
+        """Positions of the documents whose hash is not the one recorded (new ones included)."""
+        if isinstance(documents, str | bytes) or not isinstance(documents, Sequence):
+            msg = "refresh_ref_docs() takes a list of LlamaIndex documents"
+            raise InvalidParameterError(msg)
+        todo = []
+        for i, doc in enumerate(documents):
+            if not isinstance(doc, BaseNode):
+                msg = f"document #{i} is a {type(doc).__name__}, not a LlamaIndex document"
+                raise InvalidParameterError(msg)
+            if self._docstore.get_document_hash(doc.node_id) != doc.hash:
+                todo.append(i)
+        return todo
+
+    def _known(self, documents: Sequence[Any], todo: Sequence[int]) -> list[str]:
+        known = set(self.ref_doc_ids)
+        return [documents[i].node_id for i in todo if documents[i].node_id in known]
+
+    @staticmethod
+    def _refreshed(
+        documents: Sequence[Any], todo: Sequence[int], report: UpdateReport | None
+    ) -> list[bool]:
+        # No report: the tree was built whole, and every stale document went into it.
+        changed = None if report is None else set(report.docs_changed)
+        stale = set(todo)
+        return [
+            i in stale and (changed is None or doc.node_id in changed)
+            for i, doc in enumerate(documents)
+        ]
 
     # -- retrieval and engines -----------------------------------------------------------------
     def as_retriever(self, **kwargs: Any) -> RaptorRetriever:

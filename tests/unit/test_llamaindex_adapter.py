@@ -559,23 +559,20 @@ def test_empty_documents_are_rejected() -> None:
         RaptorIndex.from_documents([Document(text="  ")], embed_model=FakeEmbedder(32))
 
 
-def test_insert_rebuilds_and_live_retrievers_follow(index: RaptorIndex) -> None:
+def test_insert_is_incremental_and_live_retrievers_follow(index: RaptorIndex) -> None:
     retriever = index.as_retriever(similarity_top_k=3)
     before = index.tree
     index.insert(Document(text="Volcanoes erupt lava. Magma rises from the mantle.", id_="volcano"))
     assert index.tree is not before
     assert "volcano" in index.tree.doc_ids
     assert index.ref_doc_ids == (*TOPICS, "volcano")
-    # The rebuilt tree is exactly the tree a fresh build over all documents gives.
-    fresh = RaptorIndex.from_documents(
-        [
-            *documents(),
-            Document(text="Volcanoes erupt lava. Magma rises from the mantle.", id_="volcano"),
-        ],
-        embed_model=FakeEmbedder(32),
-        **fast_options(),
-    )
-    assert [n.to_dict() for n in index.tree.nodes] == [n.to_dict() for n in fresh.tree.nodes]
+    # The old tree is updated in place, not rebuilt: every old leaf is kept as it was.
+    for leaf in before.leaves:
+        assert index.tree.node(leaf.id).text == leaf.text
+        assert np.array_equal(
+            index.tree.embeddings[index.tree.row(leaf.id)], before.embeddings[before.row(leaf.id)]
+        )
+    assert index.tree.build_info["incremental"]["last"]["op"] == "insert"
     nodes = retriever.retrieve("volcanoes erupt lava magma")
     assert "volcano" in nodes[0].node.metadata["raptor_doc_ids"]
 
@@ -703,7 +700,7 @@ def test_persist_load_round_trip(index: RaptorIndex, tmp_path: Any) -> None:
             for n in loaded.as_retriever().retrieve(query)
         ]
         assert got == want
-    # Inserting after load rebuilds with the saved build parameters (components passed again).
+    # Inserting after load updates with the saved build parameters (components passed again).
     loaded_with_components = RaptorIndex.load(
         tmp_path / "idx", embed_model=FakeEmbedder(32), **fast_options()
     )
