@@ -184,7 +184,7 @@ class RaptorIndexStruct(IndexStruct):
 
     The nodes live in the vector store; this records how to use them: the retrieval
     defaults, the plain-number build parameters, how the tree was built (``Tree.params``,
-    descriptions only) and the documents (so that updates can rebuild).  It is data: a
+    descriptions only) and the documents (``index.documents``).  It is data: a
     load validates it strictly and never imports, opens or fetches anything it names.
     """
 
@@ -248,11 +248,14 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
     ``Settings.llm`` when set; without one, summaries are extractive (offline).  The unset
     ``Settings`` defaults are never resolved, so no OpenAI key is needed.
 
-    Updates: ``insert``/``insert_nodes``/``delete_ref_doc``/``update_ref_doc`` rebuild the
-    tree from the stored documents and write the difference into the vector store.  RAPTOR's
-    clusters and summaries depend on every document, so attaching a document to an existing
-    tree would leave stale summaries.  Retrievers and engines made earlier from this index
-    follow on their next query.
+    Updates: ``insert``/``insert_nodes``/``delete_ref_doc``/``update_ref_doc``/
+    ``refresh_ref_docs`` (and their async twins) change the tree locally with
+    :meth:`raptor_core.TreeBuilder.insert`/``delete``/``update``: only the new chunks are
+    embedded, only the clusters they join or leave (and those clusters' ancestors) are
+    summarised again, and only the nodes added, changed or re-parented are written to the
+    vector store (removed ones are deleted); every other stored node is left as it is.  An
+    empty tree, or one of leaves only, is built whole instead.  Retrievers and engines made
+    earlier from this index follow on their next query.
 
     Setup:
         ``pip install 'raptor-retriever[llamaindex]'``
@@ -502,7 +505,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         """Write an existing tree (built by ``TreeBuilder`` or ``raptor build``) into an index.
 
         ``kwargs`` are retrieval defaults and ``TreeBuilder`` parameters for later updates.
-        Without ``documents``, updates rebuild from documents rejoined from the leaf chunks.
+        Without ``documents``, ``index.documents`` are rejoined from the leaf chunks.
         """
         if not isinstance(tree, Tree):
             msg = f"tree must be a raptor_core Tree, got {type(tree).__name__}"
@@ -789,17 +792,22 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         self._update(added=list(nodes))
 
     def insert(self, document: Any, **_: Any) -> None:
-        """Add one document (or node) and update the tree (see the class docstring).
+        """Add one document (or node) to the tree without rebuilding it (see the class docs).
 
         Raises:
-            InvalidInputError: the document's id is already indexed, or it is empty/binary.
+            InvalidInputError: the document's id is already indexed (use
+                :meth:`update_ref_doc`), or it is empty/binary.
         """
         # As BaseIndex.insert: a document goes through the index's transformations first.
         self.insert_nodes(run_ingestion([document], self._transformations))
         self._record_hashes([document])
 
     def insert_nodes(self, nodes: Sequence[Any], **_: Any) -> None:
-        """Add several documents or nodes with one update."""
+        """Add several documents or nodes with one incremental update.
+
+        A node whose source document (``ref_doc_id``) is already indexed joins it: that
+        document's chunks are updated together.
+        """
         with self._callback_manager.as_trace("insert_nodes"):
             self._update(added=list(nodes))
 
@@ -823,7 +831,9 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         raise InvalidParameterError(msg)
 
     def delete_ref_doc(self, ref_doc_id: str, delete_from_docstore: bool = False, **_: Any) -> None:
-        """Remove a document by id and update the tree.
+        """Remove a document by id: its nodes go and the summaries above them are redone.
+
+        Removing the last document leaves an empty index.
 
         Raises:
             InvalidInputError: no document has this id.
@@ -837,7 +847,14 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         await self._aupdate(removed=[ref_doc_id])
 
     def update_ref_doc(self, document: Any, **_: Any) -> None:
-        """Replace a document (same id) with one update, through the index's transformations."""
+        """Replace a document (same id), through the index's transformations.
+
+        Unchanged text and metadata cost nothing (the core compares the chunks); a changed
+        document's old nodes are deleted and its new ones inserted in one update.
+
+        Raises:
+            InvalidInputError: no document has this id (use :meth:`insert`).
+        """
         removed = [_source_id(document)]
         self._update(added=run_ingestion([document], self._transformations), removed=removed)
         self._record_hashes([document])

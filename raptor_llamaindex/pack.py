@@ -284,7 +284,7 @@ class RaptorRetriever(BaseRetriever):
 
     # -- updates and persistence ---------------------------------------------------------------
     async def insert(self, documents: Sequence[Any]) -> None:
-        """Add documents (through ``transformations``) and rebuild the tree, as the pack's did."""
+        """Add documents (through ``transformations``) with one incremental tree update."""
         nodes = await arun_ingestion(documents, self._transformations)
         await self.index.ainsert_nodes(nodes)
 
