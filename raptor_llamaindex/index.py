@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from llama_index.core.base.base_query_engine import BaseQueryEngine
@@ -34,6 +34,7 @@ from llama_index.core.indices.base import BaseIndex
 from llama_index.core.indices.registry import INDEX_STRUCT_TYPE_TO_INDEX_CLASS
 from llama_index.core.llms import LLM as LlamaIndexLLMBase
 from llama_index.core.schema import BaseNode, TransformComponent
+from llama_index.core.schema import Document as LlamaIndexDocumentBase
 from llama_index.core.storage.docstore.types import RefDocInfo
 from llama_index.core.storage.storage_context import StorageContext
 
@@ -573,6 +574,12 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         kept = [d for d in current if (d.chunk_of or d.doc_id) not in gone]
         docs = to_core_documents([*kept, *added])  # duplicates and bad input fail here
         new = docs[len(kept) :]
+        sources = {d.chunk_of or d.doc_id for d in kept}
+        for d in new:
+            if d.chunk_of is None and d.doc_id in sources:
+                # A whole document under the id of indexed nodes: nodes may join a source,
+                # a document would silently replace it.
+                _already_indexed(d.doc_id)
         grown = {d.chunk_of for d in new if d.chunk_of is not None}
         write = [d for d in kept if (d.chunk_of or d.doc_id) in grown] + new
         return docs, write, sorted(gone - {d.chunk_of or d.doc_id for d in write})
@@ -584,28 +591,30 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
 
     def _update(
         self, *, added: Sequence[Any] = (), removed: Sequence[str] = (), show_progress: bool = False
-    ) -> UpdateReport | None:
+    ) -> list[UpdateReport] | None:
         """Add, replace and remove documents: every update of the index goes through here.
 
         The tree is changed locally by :meth:`TreeBuilder.insert`/``update``/``delete`` and
         only the nodes they report (added, changed or relinked; removed) are written to or
-        deleted from the vector store.  Returns the core's report (the last one when a
-        removal and a write both happen), or None when the tree was built whole.
+        deleted from the vector store.  Returns the core's reports (a removal and a write
+        are two), or None when the tree was built whole.
         """
         docs, write, delete = self._plan(added, removed)
         tree = self.tree
         keep_docs = self._documents is not None
         progress = _TqdmProgress() if show_progress else None
-        report: UpdateReport | None = None
+        reports: list[UpdateReport] | None = None
         try:
             if not docs or self._needs_build(tree, write):
                 self._write(self._build(docs, show_progress=show_progress), docs)
             else:
+                reports = []
                 builder = self._builder(progress)
                 if delete:
                     result = builder.delete(tree, delete)
                     self._apply(result, docs if keep_docs else None)
-                    tree, report = result.tree, result.report
+                    tree = result.tree
+                    reports.append(result.report)
                 if write:
                     known = set(tree.doc_ids)
                     if any((d.chunk_of or d.doc_id) in known for d in write):
@@ -613,32 +622,34 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
                     else:
                         result = builder.insert(tree, write)
                     self._apply(result, docs if keep_docs else None)
-                    report = result.report
+                    reports.append(result.report)
         finally:
             if progress is not None:
                 progress.close()
         self._after_update(added, removed)
-        return report
+        return reports
 
     async def _aupdate(
         self, *, added: Sequence[Any] = (), removed: Sequence[str] = (), show_progress: bool = False
-    ) -> UpdateReport | None:
+    ) -> list[UpdateReport] | None:
         """Async :meth:`_update` (the core's async twins; store writes off the event loop)."""
         docs, write, delete = await asyncio.to_thread(self._plan, added, removed)
         tree = await asyncio.to_thread(lambda: self.tree)
         keep_docs = self._documents is not None
         progress = _TqdmProgress() if show_progress else None
-        report: UpdateReport | None = None
+        reports: list[UpdateReport] | None = None
         try:
             if not docs or self._needs_build(tree, write):
                 built = await self._abuild(docs, show_progress=show_progress)
                 await asyncio.to_thread(self._write, built, docs)
             else:
+                reports = []
                 builder = self._builder(progress)
                 if delete:
                     result = await builder.adelete(tree, delete)
                     await asyncio.to_thread(self._apply, result, docs if keep_docs else None)
-                    tree, report = result.tree, result.report
+                    tree = result.tree
+                    reports.append(result.report)
                 if write:
                     known = set(tree.doc_ids)
                     if any((d.chunk_of or d.doc_id) in known for d in write):
@@ -646,12 +657,12 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
                     else:
                         result = await builder.ainsert(tree, write)
                     await asyncio.to_thread(self._apply, result, docs if keep_docs else None)
-                    report = result.report
+                    reports.append(result.report)
         finally:
             if progress is not None:
                 progress.close()
         self._after_update(added, removed)
-        return report
+        return reports
 
     def _apply(self, result: TreeUpdate, docs: list[Document] | None) -> None:
         """Write one incremental update into the vector store: only what its report names."""
@@ -798,6 +809,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             InvalidInputError: the document's id is already indexed (use
                 :meth:`update_ref_doc`), or it is empty/binary.
         """
+        self._check_new(document)
         # As BaseIndex.insert: a document goes through the index's transformations first.
         self.insert_nodes(run_ingestion([document], self._transformations))
         self._record_hashes([document])
@@ -813,8 +825,18 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
 
     async def ainsert(self, document: Any, **_: Any) -> None:
         """Async :meth:`insert`."""
+        self._check_new(document)
         await self.ainsert_nodes(await arun_ingestion([document], self._transformations))
         self._record_hashes([document])
+
+    def _check_new(self, document: Any) -> None:
+        # Before the transformations run: their nodes would otherwise join the indexed
+        # document of that id (as insert_nodes allows), duplicating its content.
+        if isinstance(document, BaseNode) and not isinstance(document, LlamaIndexDocumentBase):
+            return
+        source = _source_id(document)
+        if source in self.ref_doc_ids:
+            _already_indexed(source)
 
     async def ainsert_nodes(self, nodes: Sequence[Any], **_: Any) -> None:
         """Async :meth:`insert_nodes`."""
@@ -883,9 +905,9 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             if not todo:
                 return [False] * len(documents)
             items = run_ingestion([documents[i] for i in todo], self._transformations)
-            report = self._update(added=items, removed=self._known(documents, todo))
+            reports = self._update(added=items, removed=self._known(documents, todo))
             self._record_hashes(documents[i] for i in todo)
-            return self._refreshed(documents, todo, report)
+            return self._refreshed(documents, todo, reports)
 
     async def arefresh_ref_docs(self, documents: Sequence[Any], **_: Any) -> list[bool]:
         """Async :meth:`refresh_ref_docs`."""
@@ -893,9 +915,9 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         if not todo:
             return [False] * len(documents)
         items = await arun_ingestion([documents[i] for i in todo], self._transformations)
-        report = await self._aupdate(added=items, removed=self._known(documents, todo))
+        reports = await self._aupdate(added=items, removed=self._known(documents, todo))
         self._record_hashes(documents[i] for i in todo)
-        return self._refreshed(documents, todo, report)
+        return self._refreshed(documents, todo, reports)
 
     def _stale(self, documents: Sequence[Any]) -> list[int]:
         """Positions of the documents whose hash is not the one recorded (new ones included)."""
@@ -917,10 +939,10 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
 
     @staticmethod
     def _refreshed(
-        documents: Sequence[Any], todo: Sequence[int], report: UpdateReport | None
+        documents: Sequence[Any], todo: Sequence[int], reports: list[UpdateReport] | None
     ) -> list[bool]:
-        # No report: the tree was built whole, and every stale document went into it.
-        changed = None if report is None else set(report.docs_changed)
+        # No reports: the tree was built whole, and every stale document went into it.
+        changed = None if reports is None else {d for r in reports for d in r.docs_changed}
         stale = set(todo)
         return [
             i in stale and (changed is None or doc.node_id in changed)
@@ -1114,6 +1136,14 @@ def _flat_retriever_args(nested: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in nested.items() if k != "strategy_params"}
     out.update(nested.get("strategy_params") or {})
     return out
+
+
+def _already_indexed(doc_id: str) -> NoReturn:
+    msg = (
+        f"duplicate document id {doc_id!r}: it is already indexed; use "
+        "update_ref_doc(document) to replace it, or give the new document another id"
+    )
+    raise InvalidInputError(msg)
 
 
 def _source_id(document: Any) -> str:

@@ -357,3 +357,22 @@ def test_async_updates_give_the_trees_the_sync_ones_give(monkeypatch: pytest.Mon
     untouched = set(now) - set(spy.written)
     assert untouched and all(now[i] == stored[i] for i in untouched)
     assert set(spy.deleted) == set(stored) - set(now) | (set(spy.written) - set(now))
+
+
+def test_inserting_an_indexed_document_again_is_refused_before_anything_is_paid() -> None:
+    splitter = SentenceSplitter(chunk_size=24, chunk_overlap=0)
+    index = RaptorIndex.from_documents(
+        [doc(n) for n in BASE], transformations=[splitter], **options()
+    )
+    embedder = index.embedder
+    assert isinstance(embedder, FakeEmbedder)
+    calls, before = embedder.calls, index.tree
+    # Without the check, the splitter's new nodes would join the indexed "cats" document.
+    with pytest.raises(InvalidInputError, match="update_ref_doc"):
+        index.insert(doc("cats", marker="again"))
+    with pytest.raises(InvalidInputError, match="update_ref_doc"):
+        asyncio.run(index.ainsert(doc("cats", marker="again")))
+    # A whole document under the id of indexed nodes would replace them: refused too.
+    with pytest.raises(InvalidInputError, match="update_ref_doc"):
+        index.insert_nodes([doc("cats", marker="again")])
+    assert embedder.calls == calls and index.tree is before
