@@ -47,9 +47,11 @@ from raptor_llamaindex.ingestion import (
     LLAMAINDEX_NODE_KEY,
     abuild_tree,
     arun_ingestion,
+    aupdate_tree,
     build_tree,
     run_ingestion,
     to_core_documents,
+    update_tree,
 )
 from raptor_llamaindex.models import resolve_embedder, resolve_summarizer
 from raptor_llamaindex.retriever import (
@@ -610,18 +612,10 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             else:
                 reports = []
                 builder = self._builder(progress)
-                if delete:
-                    result = builder.delete(tree, delete)
+                for op, items in self._steps(tree, write, delete):
+                    result = update_tree(builder, op, tree, items)
                     self._apply(result, docs if keep_docs else None)
                     tree = result.tree
-                    reports.append(result.report)
-                if write:
-                    known = set(tree.doc_ids)
-                    if any((d.chunk_of or d.doc_id) in known for d in write):
-                        result = builder.update(tree, write)
-                    else:
-                        result = builder.insert(tree, write)
-                    self._apply(result, docs if keep_docs else None)
                     reports.append(result.report)
         finally:
             if progress is not None:
@@ -645,24 +639,29 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             else:
                 reports = []
                 builder = self._builder(progress)
-                if delete:
-                    result = await builder.adelete(tree, delete)
+                for op, items in self._steps(tree, write, delete):
+                    result = await aupdate_tree(builder, op, tree, items)
                     await asyncio.to_thread(self._apply, result, docs if keep_docs else None)
                     tree = result.tree
-                    reports.append(result.report)
-                if write:
-                    known = set(tree.doc_ids)
-                    if any((d.chunk_of or d.doc_id) in known for d in write):
-                        result = await builder.aupdate(tree, write)
-                    else:
-                        result = await builder.ainsert(tree, write)
-                    await asyncio.to_thread(self._apply, result, docs if keep_docs else None)
                     reports.append(result.report)
         finally:
             if progress is not None:
                 progress.close()
         self._after_update(added, removed)
         return reports
+
+    @staticmethod
+    def _steps(
+        tree: Tree, write: Sequence[Document], delete: Sequence[str]
+    ) -> list[tuple[str, Sequence[Any]]]:
+        """The core calls of one update: a delete, then an insert or an update."""
+        steps: list[tuple[str, Sequence[Any]]] = [("delete", delete)] if delete else []
+        if write:
+            # delete() never removes a source that is written, so the tree's ids tell.
+            known = set(tree.doc_ids)
+            replaces = any((d.chunk_of or d.doc_id) in known for d in write)
+            steps.append(("update" if replaces else "insert", write))
+        return steps
 
     def _apply(self, result: TreeUpdate, docs: list[Document] | None) -> None:
         """Write one incremental update into the vector store: only what its report names."""

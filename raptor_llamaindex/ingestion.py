@@ -57,6 +57,7 @@ from llama_index.core.schema import (
 from llama_index.core.schema import Document as LlamaIndexDocument
 
 from raptor_core.build.builder import TreeBuilder, to_documents
+from raptor_core.build.incremental import TreeUpdate
 from raptor_core.exceptions import InvalidParameterError
 from raptor_core.tree import Tree
 from raptor_core.types import Document
@@ -66,11 +67,13 @@ __all__ = [
     "NodeFields",
     "abuild_tree",
     "arun_ingestion",
+    "aupdate_tree",
     "build_tree",
     "node_to_document",
     "pop_node_fields",
     "run_ingestion",
     "to_core_documents",
+    "update_tree",
 ]
 
 logger = logging.getLogger(__name__)
@@ -369,3 +372,25 @@ def build_tree(builder: TreeBuilder, documents: Sequence[Document]) -> Tree:
 async def abuild_tree(builder: TreeBuilder, documents: Sequence[Document]) -> Tree:
     """``await builder.abuild(documents)`` inside a LlamaIndex instrumentation span."""
     return await builder.abuild(documents)
+
+
+@dispatcher.span
+def update_tree(builder: TreeBuilder, op: str, tree: Tree, items: Sequence[Any]) -> TreeUpdate:
+    """``builder.insert/update/delete(tree, items)`` (``op``) inside an instrumentation span."""
+    if op == "insert":
+        return builder.insert(tree, items)
+    if op == "update":
+        return builder.update(tree, items)
+    return builder.delete(tree, items)
+
+
+@dispatcher.span
+async def aupdate_tree(
+    builder: TreeBuilder, op: str, tree: Tree, items: Sequence[Any]
+) -> TreeUpdate:
+    """Async :func:`update_tree` (the core's async twins)."""
+    if op == "insert":
+        return await builder.ainsert(tree, items)
+    if op == "update":
+        return await builder.aupdate(tree, items)
+    return await builder.adelete(tree, items)

@@ -278,6 +278,31 @@ def test_build_emits_embedding_and_llm_events_inside_a_build_span(
     assert all(under_build(e.span_id) for e in embed_events)
 
 
+def test_updates_emit_embedding_events_inside_an_update_span(
+    instrumented: tuple[Collect, SimpleSpanHandler],
+) -> None:
+    events, spans = instrumented
+    index = RaptorIndex.from_documents(
+        user_nodes(), embed_model=MockEmbedding(embed_dim=8), **fast()
+    )
+    events.events.clear()
+    index.insert_nodes([TextNode(id_="node-owls", text="Owls hunt at night. Owls hoot.")])
+    asyncio.run(index.adelete_ref_doc("book-0"))
+    parents = {s.id_: s.parent_id for s in spans.completed_spans}
+    updates = [s for s in parents if s.startswith(("update_tree", "aupdate_tree"))]
+    assert len(updates) == 2
+
+    def under_update(span_id: str | None) -> bool:
+        while span_id is not None:
+            if span_id in updates:
+                return True
+            span_id = parents.get(span_id)
+        return False
+
+    embed_events = [e for e in events.events if isinstance(e, EmbeddingStartEvent)]
+    assert embed_events and all(under_update(e.span_id) for e in embed_events)
+
+
 def test_a_core_embedder_over_a_llamaindex_model_emits_events(
     instrumented: tuple[Collect, SimpleSpanHandler],
 ) -> None:
