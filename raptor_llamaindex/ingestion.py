@@ -29,7 +29,8 @@ chunks; summaries are written from the texts alone too.  A node's ``embedding``,
 transformation set one, is not reused: the tree embeds every node with its own model so that
 leaves and summaries share one vector space.
 
-Builds run inside a LlamaIndex instrumentation span (:func:`build_tree`), and the LlamaIndex
+Builds and updates run inside a LlamaIndex instrumentation span (:func:`build_tree`,
+:func:`update_tree`), and the LlamaIndex
 models wrapped by :mod:`raptor_llamaindex.models` emit their own embedding and LLM events
 within it, as they do in the framework's own indices.  raptor_core models (the default
 MiniLM embedder, the extractive summariser) call no LlamaIndex model and report no events.
