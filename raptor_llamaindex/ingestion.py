@@ -30,10 +30,10 @@ transformation set one, is not reused: the tree embeds every node with its own m
 leaves and summaries share one vector space.
 
 Builds and updates run inside a LlamaIndex instrumentation span (:func:`build_tree`,
-:func:`update_tree`), and the LlamaIndex
-models wrapped by :mod:`raptor_llamaindex.models` emit their own embedding and LLM events
-within it, as they do in the framework's own indices.  raptor_core models (the default
-MiniLM embedder, the extractive summariser) call no LlamaIndex model and report no events.
+:func:`update_tree`), and the LlamaIndex models wrapped by :mod:`raptor_llamaindex.models`
+emit their own embedding and LLM events within it, as they do in the framework's own
+indices.  raptor_core models (the default MiniLM embedder, the extractive summariser) call no
+LlamaIndex model and report no events.
 """
 
 from __future__ import annotations
