@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,7 +69,6 @@ from raptor_llamaindex.store import LlamaIndexNodeStore
 
 __all__ = ["RAPTOR_INDEX_TYPE", "RaptorIndex", "RaptorIndexStruct", "to_core_documents"]
 
-logger = logging.getLogger(__name__)
 
 _BUILDER_ARGS = frozenset(inspect.signature(TreeBuilder).parameters) - {"embedder", "summarizer"}
 _RETRIEVER_ARGS = frozenset(
