@@ -6,7 +6,9 @@ Three parts, each printed as ratios against baselines measured in the same run:
    the ways the query path could run it: numpy ``@`` with BLAS's default thread pool (what
    the library did before), ``@`` inside a cached threadpoolctl controller's one-thread limit
    (per-call cost of capping the pool), and ``np.einsum`` (no pool at all: what
-   :func:`raptor_core._threads.matvec` does now).  Alone and with a busy process.
+   :func:`raptor_core._threads.matvec` does now); and a FAISS flat index searched with its
+   default OpenMP threads (before) and through ``FaissIndex.search`` (one OpenMP thread,
+   now).  Alone and with a busy process.
 2. **Collapsed query** (``CollapsedTreeRetriever.retrieve``, query vectors precomputed so the
    embedding is excluded) at 10k and 100k nodes: alone, with one busy-loop subprocess
    running, and 16 queries from 16 threads at once (wall time / 16, and each query's own
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _synthetic import synthetic_queries, synthetic_tree
 
-from raptor_core import CollapsedTreeRetriever
+from raptor_core import CollapsedTreeRetriever, FaissIndex
 from raptor_core._threads import matvec
 from raptor_core.retrieval.base import as_store
 
@@ -127,7 +129,8 @@ def concurrent_ms(
 
 def load_average() -> str:
     with contextlib.suppress(OSError, AttributeError):
-        return "load average %.1f %.1f %.1f" % os.getloadavg()
+        one, five, fifteen = os.getloadavg()
+        return f"load average {one:.1f} {five:.1f} {fifteen:.1f}"
     return "load average unknown"
 
 
@@ -146,10 +149,22 @@ def scoring_options(queries: np.ndarray, matrix: np.ndarray, n: int) -> dict[str
     def einsum(i: int) -> object:
         return matvec(matrix, queries[i % len(queries)])
 
+    index = FaissIndex()
+    index.add([str(i) for i in range(matrix.shape[0])], matrix)
+    flat = index._index  # the raw faiss index: its search as it ran before the cap
+
+    def faiss_default(i: int) -> object:
+        return flat.search(queries[i % len(queries)].reshape(1, -1), K)
+
+    def faiss_capped(i: int) -> object:
+        return index.search(queries[i % len(queries)], K)
+
     runs = {
         "@ (BLAS default threads: before)": blas_default,
         "@ in cached threadpoolctl limit(1)": blas_limited,
         "einsum, no pool (matvec: now)": einsum,
+        "FAISS flat, default OpenMP threads (before)": faiss_default,
+        "FaissIndex.search, one OpenMP thread (now)": faiss_capped,
     }
     out = {f"{name}, alone": ms for name, ms in median_ms(runs, n).items()}
     with busy_process():
@@ -223,7 +238,7 @@ def main() -> None:
     base = options["@ (BLAS default threads: before), alone"]
     print("\n## scoring one query against 10k nodes (ratio: to `@` with default threads, alone)")
     for name, ms in options.items():
-        print(f"{name:<52}{ms:9.3f} ms  {ms / base:6.2f}x")
+        print(f"{name:<54}{ms:9.3f} ms  {ms / base:6.2f}x")
 
     for size in args.sizes:
         row = collapsed(size, args.queries)
@@ -231,7 +246,7 @@ def main() -> None:
         alone = row["alone"]
         print(f"\n## collapsed query, {size:,} nodes, embedding excluded (ratio: to alone)")
         for name, ms in row.items():
-            print(f"{name:<52}{ms:9.3f} ms  {ms / alone:6.2f}x")
+            print(f"{name:<54}{ms:9.3f} ms  {ms / alone:6.2f}x")
 
     if not args.no_embed:
         row = embedding(args.queries)
@@ -243,7 +258,7 @@ def main() -> None:
         )
         for name, ms in row.items():
             if name != "torch threads":
-                print(f"{name:<52}{ms:9.3f} ms  {ms / base:6.2f}x")
+                print(f"{name:<54}{ms:9.3f} ms  {ms / base:6.2f}x")
     print(f"\n# at end: {load_average()}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

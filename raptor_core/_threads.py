@@ -9,8 +9,8 @@ A query is different: one matrix-vector product and one short text to embed, too
 share between threads.  A multi-threaded BLAS call on a busy machine waits a scheduler time slice
 for its second thread (milliseconds, for microseconds of work), and concurrent queries fight
 over the same pool.  So the query path computes scores with :func:`matvec` (numpy's own SIMD
-loop, no thread pool, no global setting touched) and embeds a query under
-:func:`single_torch_thread`.
+loop, no thread pool, no global setting touched), searches FAISS under :func:`single_omp_thread`
+and embeds a query under :func:`single_torch_thread`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,13 @@ from numpy.typing import NDArray
 
 from raptor_core.exceptions import InvalidParameterError
 
-__all__ = ["limit_threads", "matvec", "recommended_threads", "single_torch_thread"]
+__all__ = [
+    "limit_threads",
+    "matvec",
+    "recommended_threads",
+    "single_omp_thread",
+    "single_torch_thread",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -141,3 +147,23 @@ def single_torch_thread() -> Iterator[None]:
             _torch_users -= 1
             if _torch_users == 0 and _torch_previous != 1:
                 torch.set_num_threads(_torch_previous)
+
+
+@contextlib.contextmanager
+def single_omp_thread(faiss: Any) -> Iterator[None]:
+    """Run ``faiss``'s OpenMP regions started by the calling thread on one thread.
+
+    FAISS spreads even a one-query search over its OpenMP pool, which on a busy machine waits
+    for the other threads.  OpenMP's thread count set by ``omp_set_num_threads`` belongs to
+    the calling thread, so this cap touches no other thread and needs no lock; the previous
+    count is restored on leaving.
+    """
+    previous = int(faiss.omp_get_max_threads())
+    if previous == 1:
+        yield
+        return
+    faiss.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(previous)

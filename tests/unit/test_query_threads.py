@@ -125,3 +125,38 @@ def test_a_cpu_query_is_embedded_on_one_thread(
     assert seen == [1, 2]  # the query on one thread; documents keep torch's pool
     np.testing.assert_allclose(query, documents[0], atol=1e-5)
     assert torch.get_num_threads() == 2
+
+
+def test_a_faiss_search_runs_on_one_openmp_thread_in_the_calling_thread_only() -> None:
+    faiss = pytest.importorskip("faiss")
+    from raptor_core._threads import single_omp_thread
+    from raptor_core.backends.faiss_index import FaissIndex
+
+    previous = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(2)
+    try:
+        counts: list[int] = []
+
+        def count_in_another_thread() -> None:
+            t = threading.Thread(target=lambda: counts.append(faiss.omp_get_max_threads()))
+            t.start()
+            t.join()
+
+        count_in_another_thread()
+        with single_omp_thread(faiss):
+            assert faiss.omp_get_max_threads() == 1
+            count_in_another_thread()  # OpenMP's count is per thread: the other keeps its own
+        assert faiss.omp_get_max_threads() == 2
+        assert counts[0] == counts[1]
+
+        rng = np.random.default_rng(2)
+        vectors = rng.standard_normal((300, 8)).astype(np.float32)
+        index = FaissIndex()
+        index.add([f"n{i}" for i in range(300)], vectors)
+        exact = NumpyIndex()
+        exact.add([f"n{i}" for i in range(300)], vectors)
+        query = rng.standard_normal(8).astype(np.float32)
+        assert [i for i, _ in index.search(query, 5)] == [i for i, _ in exact.search(query, 5)]
+        assert faiss.omp_get_max_threads() == 2
+    finally:
+        faiss.omp_set_num_threads(previous)
