@@ -19,7 +19,9 @@ validated.
 from __future__ import annotations
 
 import json
+import os
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from numpy.typing import NDArray
 from raptor_core._imports import require
 from raptor_core.exceptions import EmbeddingError, InvalidParameterError
 
-__all__ = ["ONNX_FORMAT", "OnnxEmbedder", "export_onnx"]
+__all__ = ["ONNX_FORMAT", "OnnxEmbedder", "default_onnx_dir", "export_info", "export_onnx"]
 
 #: Version of the export directory layout written by :func:`export_onnx`.
 ONNX_FORMAT = 1
@@ -38,6 +40,30 @@ ONNX_FORMAT = 1
 _META = "raptor-onnx.json"
 _INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 _MAX_SEQ_LENGTH = 8192
+
+
+def default_onnx_dir() -> Path:
+    """Where ``raptor export-onnx`` writes, and ``raptor query`` looks for, the default export.
+
+    ``$RAPTOR_ONNX_DIR`` when set, else ``raptor-retriever/onnx/all-MiniLM-L6-v2`` under
+    ``$XDG_CACHE_HOME`` (``~/.cache`` when unset).
+    """
+    explicit = os.environ.get("RAPTOR_ONNX_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
+    return Path(cache) / "raptor-retriever" / "onnx" / "all-MiniLM-L6-v2"
+
+
+def export_info(directory: str | Path) -> dict[str, Any] | None:
+    """The validated description of an export (model name, dim, ...), or None if there is none.
+
+    Reads the small JSON file only: the model itself is not loaded.
+    """
+    try:
+        return _read_meta(Path(directory))
+    except EmbeddingError:
+        return None
 
 
 def export_onnx(
@@ -101,7 +127,11 @@ def export_onnx(
     example = tuple(torch.ones(1, 8, dtype=torch.long) for _ in _INPUTS)
     dynamic = {name: {0: "batch", 1: "tokens"} for name in (*_INPUTS, "last_hidden_state")}
     graph = _Graph(transformer.auto_model).eval()
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # The tracer notes Python-level branches it fixes as constants: all depend only on
+        # whether a mask is passed (always), not on sizes, which stay dynamic.
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.filterwarnings("ignore", message=".*advanced indexing", category=UserWarning)
         torch.onnx.export(
             graph,
             example,
