@@ -126,7 +126,7 @@ def export_onnx(
     out.mkdir(parents=True, exist_ok=True)
     example = tuple(torch.ones(1, 8, dtype=torch.long) for _ in _INPUTS)
     dynamic = {name: {0: "batch", 1: "tokens"} for name in (*_INPUTS, "last_hidden_state")}
-    graph = _Graph(transformer.auto_model).eval()
+    graph = _Graph(transformer.auto_model).train(False)  # inference mode: no dropout
     with torch.no_grad(), warnings.catch_warnings():
         # The tracer notes Python-level branches it fixes as constants: all depend only on
         # whether a mask is passed (always), not on sizes, which stay dynamic.
