@@ -137,3 +137,34 @@ def test_an_export_of_another_model_is_not_used(
     monkeypatch.setenv("RAPTOR_ONNX_DIR", str(tmp_path / "export"))
     fake_export(tmp_path / "export", "BAAI/bge-small-en-v1.5")
     assert _default_onnx(st_tree("all-MiniLM-L6-v2")) is None
+
+
+def test_export_onnx_command_writes_where_query_looks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import raptor_core.backends.onnx as onnx_backend
+    from raptor_core.cli import main
+
+    calls: list[tuple[Path, str]] = []
+
+    def fake_export(out_dir: Path, model: str) -> Path:
+        calls.append((Path(out_dir), model))
+        return Path(out_dir)
+
+    monkeypatch.setattr(onnx_backend, "export_onnx", fake_export)
+    monkeypatch.setenv("RAPTOR_ONNX_DIR", str(tmp_path / "default"))
+    assert main(["export-onnx"]) in (0, None)
+    assert main(["export-onnx", "--out", str(tmp_path / "x"), "--model", "m"]) in (0, None)
+    assert calls == [(tmp_path / "default", "all-MiniLM-L6-v2"), (tmp_path / "x", "m")]
+    assert "raptor query` now embeds" in capsys.readouterr().out
+
+
+def test_a_missing_onnxruntime_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from raptor_core.exceptions import MissingDependencyError
+
+    fake_export(tmp_path / "export", "all-MiniLM-L6-v2")
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails as if not installed
+    with pytest.raises(MissingDependencyError, match=r"raptor-retriever\[onnx\]"):
+        OnnxEmbedder(tmp_path / "export").embed_query("cats")
