@@ -13,15 +13,16 @@ Three parts, each printed as ratios against baselines measured in the same run:
    embedding is excluded) at 10k and 100k nodes: alone, with one busy-loop subprocess
    running, and 16 queries from 16 threads at once (wall time / 16, and each query's own
    latency) against one query alone.  BLAS keeps its default threads, as in a user's process.
-3. **Query embedding** with the real all-MiniLM-L6-v2 (``--embed``, on by default): alone and
-   with the busy process, one torch thread (now) against torch's default pool (before).
+3. **Query embedding** with the real all-MiniLM-L6-v2 (``--no-embed`` skips it): alone and
+   with the busy process, one torch thread (now) against torch's default pool (before), and
+   ONNX Runtime on one thread when the model has been exported (``raptor export-onnx``).
 
 "Alone" means no process started by this script; the machine's load average is printed,
 because other work on a shared machine is part of every figure.
 
 Usage:
     python benchmarks/query_load.py [--sizes 10000 100000] [--queries 50] [--no-embed]
-        [--json OUT]
+        [--onnx-dir DIR] [--json OUT]
 """
 
 from __future__ import annotations
@@ -192,9 +193,10 @@ def collapsed(tree_size: int, n: int) -> dict[str, float]:
     return out
 
 
-def embedding(n: int) -> dict[str, float]:
+def embedding(n: int, onnx_dir: Path | None) -> dict[str, float]:
     import torch
 
+    from raptor_core.backends.onnx import OnnxEmbedder
     from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
 
     embedder = SentenceTransformerEmbedder(device="cpu")
@@ -207,6 +209,9 @@ def embedding(n: int) -> dict[str, float]:
         return embedder._encode([texts[i % n]], embedder.query_prompt)[0]
 
     runs = {"default pool (before)": before, "one thread (now)": now}
+    if onnx_dir is not None:
+        onnx = OnnxEmbedder(onnx_dir)
+        runs["ONNX Runtime, one thread"] = lambda i: onnx.embed_query(texts[i % n])
     out = {"torch threads": float(torch.get_num_threads())}
     out.update({f"{name}, alone": ms for name, ms in median_ms(runs, n).items()})
     with busy_process():
@@ -219,6 +224,11 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
     parser.add_argument("--queries", type=int, default=50, help="timed queries per figure")
     parser.add_argument("--no-embed", action="store_true", help="skip the real query embedding")
+    parser.add_argument(
+        "--onnx-dir",
+        default=None,
+        help="also time an ONNX export (default: `raptor export-onnx`'s, when there is one)",
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     from threadpoolctl import threadpool_info
@@ -249,7 +259,10 @@ def main() -> None:
             print(f"{name:<54}{ms:9.3f} ms  {ms / alone:6.2f}x")
 
     if not args.no_embed:
-        row = embedding(args.queries)
+        from raptor_core.backends.onnx import default_onnx_dir, export_info
+
+        onnx_dir = Path(args.onnx_dir) if args.onnx_dir else default_onnx_dir()
+        row = embedding(args.queries, onnx_dir if export_info(onnx_dir) else None)
         results["query embedding"] = row
         base = row["default pool (before), alone"]
         print(

@@ -230,5 +230,7 @@ class SentenceTransformerEmbedder:
         """Embed one query; returns ``(d,)`` float32."""
         if self.resolved_device.partition(":")[0] != "cpu":
             return self._encode([text], self.query_prompt)[0]
+        # Load the model (and import torch) first, so that the cap covers the first query too.
+        _ = self.model
         with single_torch_thread():
             return self._encode([text], self.query_prompt)[0]
