@@ -40,6 +40,8 @@ lint: install-dev
 bench: install-dev
 	$(BIN)/python benchmarks/build.py
 	$(BIN)/python benchmarks/query.py
+	$(BIN)/python benchmarks/query_load.py
+	$(BIN)/python benchmarks/cold_start.py
 	$(BIN)/python benchmarks/cluster_threads.py
 	$(BIN)/python benchmarks/vs_baselines.py
 	$(BIN)/python benchmarks/quality.py

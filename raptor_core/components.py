@@ -201,7 +201,8 @@ def _st_from_record(record: Mapping[str, Any], pass_as: str) -> Embedder:
         if key in {"class", "model_name_or_path"}:
             continue
         if key == "device":
-            # A device is this machine's business, never the file's: the default (CPU) is used.
+            # A device is this machine's business, never the file's: the default (the best
+            # device available here) is used, so a tree built on a GPU loads on a CPU.
             if value is not None and not isinstance(value, str):
                 raise _refuse(record, pass_as, f"the tree records an invalid device {_show(value)}")
         elif key == "trust_remote_code":
@@ -217,6 +218,8 @@ def _st_from_record(record: Mapping[str, Any], pass_as: str) -> Embedder:
                 raise _refuse(record, pass_as, f"the tree records normalize={_show(value)}")
             kwargs[key] = value
         elif key == "batch_size":
+            if value is None:
+                continue  # chosen for this machine's device (a tree built on a GPU, say)
             if (
                 isinstance(value, bool)
                 or not isinstance(value, int)

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from raptor_core._threads import single_omp_thread
 from raptor_core.backends._vectors import RestrictCache, check_add, check_k, check_query
 from raptor_core.tree import Tree
 
@@ -81,13 +82,15 @@ class FaissIndex:
             return []
         q = check_query(query, int(self._index.d)).reshape(1, -1)
         if restrict_to is None:
-            dist, labels = self._index.search(q, min(k, len(self._ids)))
+            with single_omp_thread(self._faiss):  # one query: see raptor_core._threads
+                dist, labels = self._index.search(q, min(k, len(self._ids)))
         else:
             positions = self._restrict.positions(restrict_to, self._pos)
             if positions.size == 0:
                 return []
             params = self._faiss.SearchParameters(sel=self._faiss.IDSelectorBatch(positions))
-            dist, labels = self._index.search(q, min(k, int(positions.size)), params=params)
+            with single_omp_thread(self._faiss):
+                dist, labels = self._index.search(q, min(k, int(positions.size)), params=params)
         pairs = [(float(d), int(i)) for d, i in zip(dist[0], labels[0], strict=True) if i >= 0]
         pairs.sort(key=lambda p: (-p[0], p[1]))  # deterministic order for equal scores
         return [(self._ids[i], d) for d, i in pairs]

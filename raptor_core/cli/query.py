@@ -225,8 +225,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--embedder",
         default=None,
         metavar="SPEC",
-        help="the model the tree was built with: NAME_OR_PATH (sentence-transformers) or "
-        "openai:MODEL; default: the tree's model when it is a local sentence-transformers "
+        help="the model the tree was built with: NAME_OR_PATH (sentence-transformers), "
+        "openai:MODEL or onnx:DIR (a `raptor export-onnx` directory); default: the tree's model when it is a local sentence-transformers "
         "model by name",
     )
     embedding.add_argument(
@@ -234,6 +234,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     embedding.add_argument(
         "--embed-base-url", default=None, help="API root for --embedder openai:... (--llm-base-url)"
+    )
+    embedding.add_argument(
+        "--no-onnx",
+        action="store_true",
+        help="embed with sentence-transformers even when `raptor export-onnx` has exported "
+        "the tree's model (the ONNX export gives the same vectors and starts faster)",
     )
     query.add_argument("--json", action="store_true", help="print hits as JSON")
     query.add_argument(

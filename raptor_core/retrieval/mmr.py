@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from raptor_core._threads import matvec
 from raptor_core.exceptions import InvalidParameterError
 from raptor_core.retrieval.base import (
     DEFAULT_K,
@@ -53,7 +54,7 @@ def mmr_order(
     n = vectors.shape[0]
     if n == 0:
         return []
-    relevance = vectors @ query  # (n,)
+    relevance = matvec(vectors, query)  # (n,)
     redundancy = np.full(n, -np.inf, dtype=np.float64)  # max similarity to a picked vector
     chosen: list[int] = []
     available = np.ones(n, dtype=np.bool_)
@@ -64,7 +65,7 @@ def mmr_order(
         best = int(np.argmax(value))  # argmax returns the first maximum: deterministic
         chosen.append(best)
         available[best] = False
-        redundancy = np.maximum(redundancy, vectors @ vectors[best])
+        redundancy = np.maximum(redundancy, matvec(vectors, vectors[best]))
     return chosen
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from raptor_core._threads import matvec
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 from raptor_core.store.filters import canonical, compile_where
 from raptor_core.tree import Node, Tree, is_carried
@@ -280,12 +281,13 @@ class InMemoryNodeStore:
         if self.index is not None:
             return self._search_index(q, int(k), where, rows)
         matrix = self._full()
+        # matvec, not `@`: no BLAS thread pool on the query path (see raptor_core._threads).
         if rows is None:
-            scores = matrix @ q
+            scores = matvec(matrix, q)
         elif rows.size < _GATHER_SHARE * matrix.shape[0]:
-            scores = matrix[rows] @ q
+            scores = matvec(matrix[rows], q)
         else:
-            scores = (matrix @ q)[rows]
+            scores = matvec(matrix, q)[rows]
         best = top_rows(scores, min(int(k), scores.shape[0]))
         positions = best if rows is None else rows[best]
         return [

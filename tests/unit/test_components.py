@@ -98,7 +98,7 @@ def test_packaged_default_is_recreated_without_remote_code(in_tmp: Path) -> None
     assert isinstance(embedder, SentenceTransformerEmbedder)
     assert embedder.model_name_or_path == "all-MiniLM-L6-v2"
     assert embedder.trust_remote_code is False
-    assert embedder.device == "cpu"  # a device is never taken from a file
+    assert embedder.device is None  # never taken from a file: the best device here is used
     assert (embedder.batch_size, embedder.normalize, embedder.query_prompt) == (8, False, "query: ")
 
 
