@@ -498,7 +498,8 @@ def markdown(data: dict[str, Any]) -> str:
             f"## {size['nodes']:,} nodes",
             "",
             f"Generated in {size['generate_s']:.1f} s; `Tree.save` {size['save_s']:.1f} s; "
-            f"tree.json {size['json_mb']:.0f} MB, matrix {size['matrix_mb']:.0f} MB.",
+            f"tree.json {size['json_mb']:.0f} MB, matrix {size['matrix_mb']:.0f} MB; "
+            f"load average {size.get('load_at_start', '?')} when this size started.",
             "",
             "| " + " | ".join(HEADER) + " |",
             "|" + "---|" * len(HEADER),
@@ -576,6 +577,7 @@ def measure_size(args: argparse.Namespace, n: int, work: Path, results: Results)
     files = {p.name: p.stat().st_size / 1e6 for p in (work / "tree").iterdir() if p.is_file()}
     size: dict[str, Any] = {
         "nodes": nodes,
+        "load_at_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
         "generate_s": generated,
         "save_s": saved,
         "json_mb": files.get("tree.json", 0.0),
@@ -652,6 +654,12 @@ def main() -> None:
     )
     parser.add_argument("--out", default=str(HERE / "results"), help="for stores.json/.md")
     parser.add_argument("--keep", default=None, help="work in this directory and keep it")
+    parser.add_argument(
+        "--merge", action="store_true", help="keep the other sizes already in --out/stores.json"
+    )
+    parser.add_argument(
+        "--report", action="store_true", help="only rewrite stores.md from --out/stores.json"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="open", help=argparse.SUPPRESS)
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
@@ -661,6 +669,16 @@ def main() -> None:
         child_main(args)
         return
     results = Results(args=args, machine=_machine())
+    previous = Path(args.out) / "stores.json"
+    if (args.merge or args.report) and previous.exists():
+        data = json.loads(previous.read_text())
+        results.sizes = {int(n): size for n, size in data["sizes"].items()}
+        if args.report:
+            results.machine = data["machine"]
+            results.write()
+            return
+        for n in args.sizes:
+            results.sizes.pop(n, None)
     m = results.machine
     print(
         f"# node stores: dim {args.dim}, k={K}, {args.queries} queries; {m['platform']}, "
