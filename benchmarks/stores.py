@@ -499,7 +499,8 @@ def markdown(data: dict[str, Any]) -> str:
             "",
             f"Generated in {size['generate_s']:.1f} s; `Tree.save` {size['save_s']:.1f} s; "
             f"tree.json {size['json_mb']:.0f} MB, matrix {size['matrix_mb']:.0f} MB; "
-            f"load average {size.get('load_at_start', '?')} when this size started.",
+            f"load average {size.get('load_at_start', '?')} when this size started; "
+            f"code at commit {size.get('code', '?')}.",
             "",
             "| " + " | ".join(HEADER) + " |",
             "|" + "---|" * len(HEADER),
@@ -553,6 +554,19 @@ def _machine() -> dict[str, Any]:
     return info
 
 
+def _commit() -> str | None:
+    """The commit measured: ``RAPTOR_BENCH_COMMIT`` (a copy outside git), else ``git``'s."""
+    if os.environ.get("RAPTOR_BENCH_COMMIT"):
+        return os.environ["RAPTOR_BENCH_COMMIT"]
+    done = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() or None
+
+
 def _missing(entry: StoreEntry) -> str | None:
     import importlib.util
 
@@ -578,6 +592,7 @@ def measure_size(args: argparse.Namespace, n: int, work: Path, results: Results)
     size: dict[str, Any] = {
         "nodes": nodes,
         "load_at_start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "code": _commit(),
         "generate_s": generated,
         "save_s": saved,
         "json_mb": files.get("tree.json", 0.0),
@@ -655,7 +670,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results"), help="for stores.json/.md")
     parser.add_argument("--keep", default=None, help="work in this directory and keep it")
     parser.add_argument(
-        "--merge", action="store_true", help="keep the other sizes already in --out/stores.json"
+        "--merge",
+        action="store_true",
+        help="keep the sizes already in --out/stores.json until they are measured again",
     )
     parser.add_argument(
         "--report", action="store_true", help="only rewrite stores.md from --out/stores.json"
@@ -677,8 +694,6 @@ def main() -> None:
             results.machine = data["machine"]
             results.write()
             return
-        for n in args.sizes:
-            results.sizes.pop(n, None)
     m = results.machine
     print(
         f"# node stores: dim {args.dim}, k={K}, {args.queries} queries; {m['platform']}, "
