@@ -39,6 +39,7 @@ lint: install-dev
 bench: install-dev
 	$(BIN)/python benchmarks/build.py
 	$(BIN)/python benchmarks/query.py
+	$(BIN)/python benchmarks/stores.py
 	$(BIN)/python benchmarks/cluster_threads.py
 	$(BIN)/python benchmarks/vs_baselines.py
 	$(BIN)/python benchmarks/quality.py

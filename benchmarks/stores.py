@@ -419,6 +419,8 @@ def _fmt_ms(latency: dict[str, float] | None, baseline: dict[str, float] | None)
     cell = f"{latency['p50_ms']:.2f} / {latency['p95_ms']:.2f}"
     if baseline:
         cell += f" ({latency['p50_ms'] / baseline['p50_ms']:.1f}x)"
+    if baseline and latency.get("n", 0) < baseline.get("n", 0):
+        cell += f" [{latency['n']} queries]"  # stopped by --budget
     return cell
 
 
@@ -488,7 +490,8 @@ def markdown(data: dict[str, Any]) -> str:
         "Latency ratios are of the numpy baseline's p50 in the same run.  RSS: the "
         "process's peak before opening (interpreter and imports; for `memory`, the tree already "
         "in RAM), after opening, and after the queries.  Agreement: share of the in-memory store's top-k "
-        "ids returned (collapsed / traversal).",
+        "ids returned (collapsed / traversal).  [n queries]: the strategy used up its time "
+        "budget (`--budget`) after n queries.",
         "",
         "Sizes that ran: " + ", ".join(f"{int(s):,}" for s in data["sizes"]) + ".",
     ]
