@@ -385,6 +385,16 @@ class ChromaDialect:
             top += 1
         return top
 
+    def layer_ids(self, layer: int, limit: int) -> frozenset[str] | None:
+        """The ids of one layer if it holds at most ``limit`` nodes (else None).
+
+        Optional for a dialect: :class:`~raptor_langchain.store.LangChainNodeStore` caches
+        the answer until its next write or ``refresh()``.
+        """
+        got = self.collection.get(where={"raptor_layer": layer}, limit=limit + 1, include=[])
+        ids = got["ids"]
+        return frozenset(ids) if len(ids) <= limit else None
+
     def dim(self) -> int | None:
         """The length of one stored vector."""
         got = self.collection.get(

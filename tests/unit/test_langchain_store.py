@@ -256,6 +256,42 @@ def test_a_search_among_known_ids_sends_only_the_callers_filter() -> None:
     assert [m.node.id for m in mine] == [first]
 
 
+class _LayerListingDialect(InMemoryDialect):
+    """Lists small layers, as ChromaDialect does, and counts how often it is asked."""
+
+    def __init__(self, vectorstore: InMemoryVectorStore) -> None:
+        super().__init__(vectorstore)
+        self.listed: list[int] = []
+
+    def layer_ids(self, layer: int, limit: int) -> frozenset[str] | None:
+        self.listed.append(layer)
+        ids = [d.id for d in self.scan() if d.metadata.get("raptor_layer") == layer]
+        return frozenset(str(i) for i in ids) if len(ids) <= limit else None
+
+
+def test_searches_in_a_small_layer_score_its_cached_ids() -> None:
+    vectorstore = in_memory_vectorstore()
+    dialect = _LayerListingDialect(vectorstore)
+    store = LangChainNodeStore(vectorstore, dialect=dialect)
+    tree = store_tree(DIM)
+    store.add_tree(tree)
+    reference, _ = filled_store()
+    top = frozenset({tree.top_layer})
+    q = np.eye(DIM, dtype=np.float32)[1]
+    for _ in range(2):
+        found = store.search(q, 3, where=NodeFilter(layers=top, include_carried=True))
+        expected = reference.search(q, 3, where=NodeFilter(layers=top, include_carried=True))
+        assert [(m.node.id, round(m.score, 6)) for m in found] == [
+            (m.node.id, round(m.score, 6)) for m in expected
+        ]
+    assert dialect.listed == [tree.top_layer]  # listed once, then cached
+    newcomer = replace(tree.nodes[-1], id="new-top", children=tree.nodes[-1].children)
+    store.add([newcomer], np.eye(DIM, dtype=np.float32)[1:2])  # a write forgets the cache
+    found = store.search(q, 1, where=NodeFilter(layers=top, include_carried=True))
+    assert [m.node.id for m in found] == ["new-top"]
+    assert dialect.listed == [tree.top_layer, tree.top_layer]
+
+
 # -- manifest, shape, reopening ----------------------------------------------------------------
 def test_the_manifest_records_the_build_and_is_never_found() -> None:
     store, vectorstore = filled_store()
