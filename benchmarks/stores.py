@@ -402,6 +402,7 @@ class Results:
             "threads": self.args.threads,
             "stores": {name: STORES[name].note for name in self.args.stores},
             "sizes": self.sizes,
+            "note": self.args.note,
         }
         (out / "stores.json").write_text(json.dumps(data, indent=1) + "\n")
         (out / "stores.md").write_text(markdown(data))
@@ -495,6 +496,8 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         "Sizes that ran: " + ", ".join(f"{int(s):,}" for s in data["sizes"]) + ".",
     ]
+    if data.get("note"):
+        lines += ["", str(data["note"])]
     for size in data["sizes"].values():
         lines += [
             "",
@@ -680,6 +683,7 @@ def main() -> None:
     parser.add_argument(
         "--report", action="store_true", help="only rewrite stores.md from --out/stores.json"
     )
+    parser.add_argument("--note", default=None, help="a remark for stores.md (how it was run)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="open", help=argparse.SUPPRESS)
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
@@ -695,6 +699,7 @@ def main() -> None:
         results.sizes = {int(n): size for n, size in data["sizes"].items()}
         if args.report:
             results.machine = data["machine"]
+            args.note = args.note or data.get("note")
             results.write()
             return
     m = results.machine
