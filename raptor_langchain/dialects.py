@@ -385,6 +385,16 @@ class ChromaDialect:
             top += 1
         return top
 
+    def layer_ids(self, layer: int, limit: int) -> frozenset[str] | None:
+        """The ids of one layer if it holds at most ``limit`` nodes (else None).
+
+        Optional for a dialect: :class:`~raptor_langchain.store.LangChainNodeStore` caches
+        the answer until its next write or ``refresh()``.
+        """
+        got = self.collection.get(where={"raptor_layer": layer}, limit=limit + 1, include=[])
+        ids = got["ids"]
+        return frozenset(ids) if len(ids) <= limit else None
+
     def dim(self) -> int | None:
         """The length of one stored vector."""
         got = self.collection.get(
@@ -396,23 +406,32 @@ class ChromaDialect:
         return len(embeddings[0])
 
     def translate(self, pushdown: Pushdown) -> tuple[Any, bool]:
-        """A Chroma ``where`` for the pushdown; exact unless part of ``where`` had no twin."""
+        """A Chroma ``where`` for the pushdown (None: no filter), and whether it is exact.
+
+        It is not exact when part of ``where`` has no Chroma twin, when carried copies are
+        excluded, or when there is no filter (the manifest may come back): the store then
+        asks for a few more documents and checks them in Python.
+        """
         clauses: list[dict[str, Any]] = []
         if pushdown.layers is not None:
             clauses.append({"raptor_layer": {"$in": sorted(pushdown.layers)}})
         if pushdown.doc_ids is not None:
             clauses.append({"raptor_doc_id": {"$in": sorted(pushdown.doc_ids)}})
-        if not pushdown.include_carried:
-            clauses.append({"raptor_carried": False})
         exact = True
         if pushdown.where is not None:
             translated, exact = chroma_where(pushdown.where)
             if translated is not None:
                 clauses.append(translated)
+        # "Not a carried copy" and "a node, not the manifest" stay out of the `where`: any
+        # `where` makes Chroma evaluate it over the whole collection before it searches
+        # (40 ms a query at 10,000 nodes, growing with the collection: see
+        # benchmarks/results/stores.md), while carried copies and the manifest are rare in
+        # a top k and are dropped in Python from a slightly larger result.
         if not clauses:
-            # Every node has a layer; the manifest and foreign documents have none.
-            clauses.append({"raptor_layer": {"$gte": 0}})
-        return (clauses[0] if len(clauses) == 1 else {"$and": clauses}), exact
+            return None, False
+        return (clauses[0] if len(clauses) == 1 else {"$and": clauses}), exact and (
+            pushdown.include_carried
+        )
 
     def conjoin(self, ours: Any, theirs: Any) -> Any:
         """``{"$and": [ours, theirs]}``."""

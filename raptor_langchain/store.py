@@ -84,6 +84,11 @@ _PREFIX = "raptor_"
 # Searches whose filter runs partly in Python ask the store for this many extra documents
 # first, and four times more each time too few pass.
 _SLACK = 8
+# A layer of at most this many nodes has its ids listed once and cached (dialects with
+# ``layer_ids``), so a search restricted to it, such as a traversal's first step, scores
+# those ids exactly instead of running a filtered search, which Chroma answers by scanning
+# the whole collection.
+_SMALL_LAYER = 2000
 
 
 # -- node <-> document -------------------------------------------------------------------------
@@ -297,6 +302,7 @@ class LangChainNodeStore:
         self._manifest_read = False
         self._top: int | None = None
         self._dim: int | None = None
+        self._layer_cache: dict[int, frozenset[str] | None] = {}
 
     def __repr__(self) -> str:
         return f"LangChainNodeStore({type(self.vectorstore).__name__}, dialect={self.dialect.name})"
@@ -399,10 +405,14 @@ class LangChainNodeStore:
         return dict(params) if isinstance(params, dict) else {}
 
     def refresh(self) -> None:
-        """Forget cached facts (top layer, dimension, manifest) after writes by others."""
+        """Forget cached facts (manifest, dimension, top layer, small layers' ids).
+
+        Call it after others wrote to the store.
+        """
         self._manifest, self._manifest_read = None, False
         self._top = None
         self._dim = None
+        self._layer_cache.clear()
 
     # -- shape -----------------------------------------------------------------------------------
     def _layer_sizes(self) -> list[int]:
@@ -465,6 +475,7 @@ class LangChainNodeStore:
         docs = [node_to_document(n, native_lists=self.dialect.native_lists) for n in nodes]
         self.dialect.upsert(docs, arr)
         self._top = None
+        self._layer_cache.clear()
         if self._dim is None:
             self._dim = int(arr.shape[1])
         if not counting:
@@ -479,6 +490,7 @@ class LangChainNodeStore:
         before = [] if counting else self.get(ids)
         self.dialect.delete(ids)
         self._top = None
+        self._layer_cache.clear()
         if not counting and before:
             self._resize(added=[], removed=before, dim=None)
 
@@ -635,12 +647,29 @@ class LangChainNodeStore:
             where.doc_ids is not None and not where.doc_ids
         ):
             return []
+        if ids is None and where.layers is not None:
+            ids = self._small_layer_ids(where.layers)
         pushdown = self._pushdown(where, ids)
         if ids is not None and (where.native is None or self.dialect.fetch_filters):
             found = self._search_ids(q, int(k), sorted(ids), pushdown, where.native)
         else:
             found = self._search_store(q, int(k), pushdown, where.native)
         return found
+
+    def _small_layer_ids(self, layers: frozenset[int]) -> frozenset[str] | None:
+        """The ids of ``layers`` when the dialect lists them and each layer is small."""
+        lister = getattr(self.dialect, "layer_ids", None)
+        if lister is None:
+            return None
+        ids: set[str] = set()
+        for layer in layers:
+            if layer not in self._layer_cache:
+                self._layer_cache[layer] = lister(layer, _SMALL_LAYER)
+            known = self._layer_cache[layer]
+            if known is None:
+                return None
+            ids |= known
+        return frozenset(ids)
 
     def _restricted_ids(self, where: NodeFilter) -> frozenset[str] | None:
         """The ids a search is limited to (``ids`` and children of ``parents``), if any."""
@@ -684,8 +713,9 @@ class LangChainNodeStore:
     def _rank(scored: list[tuple[Node, float]], k: int) -> list[Match]:
         # Equal scores (a summary that copies its only child's text) go lower layer first,
         # as in the in-memory store, which keeps the tree's layer-major order; otherwise
-        # the sort is stable and keeps the store's order.
-        scored.sort(key=lambda pair: (-pair[1], pair[0].layer))
+        # the sort is stable and keeps the store's order.  Scores are compared at 1e-6:
+        # one vector at two rows of a float32 product can differ in its last bits.
+        scored.sort(key=lambda pair: (-round(pair[1], 6), pair[0].layer))
         return [Match(node, score) for node, score in scored[:k]]
 
     def _score(
@@ -704,11 +734,14 @@ class LangChainNodeStore:
     def _search_ids(
         self, q: NDArray[np.float32], k: int, ids: list[str], pushdown: Pushdown, native: Any
     ) -> list[Match]:
-        """Score a known set of ids exactly: fetch them with their vectors, no ANN search."""
-        ours, _ = self.dialect.translate(pushdown)
-        rows = self.dialect.fetch(
-            ids, native=self.dialect.conjoin(ours, native), vectors=self.dialect.has_vectors
-        )
+        """Score a known set of ids exactly: fetch them with their vectors, no ANN search.
+
+        Only the caller's native filter goes to the store; the rest of ``where`` is checked
+        in Python on the fetched rows (``_score``).  The ids bound the rows fetched, and a
+        store-side filter on a fetch by ids can cost a scan of the whole collection (Chroma:
+        0.8 s at 10,000 nodes against 13 ms for the ids alone; benchmarks/stores.py).
+        """
+        rows = self.dialect.fetch(ids, native=native, vectors=self.dialect.has_vectors)
         return self._rank(self._score(q, rows, pushdown), k)
 
     def _search_store(

@@ -26,7 +26,7 @@ from raptor_core.testing import FakeEmbedder, NodeStoreTests, store_tree
 from raptor_core.tree import Node
 from raptor_core.types import NodeFilter, NodeStore
 from raptor_langchain import GenericDialect, InMemoryDialect, LangChainNodeStore, RaptorEmbeddings
-from raptor_langchain.dialects import chroma_where, dialect_for
+from raptor_langchain.dialects import ChromaDialect, Pushdown, Row, chroma_where, dialect_for
 from raptor_langchain.store import MANIFEST_ID, document_to_node, node_to_document
 
 DIM = 32
@@ -201,6 +201,95 @@ def test_core_filters_translate_to_chroma(
     where: dict[str, Any], expected: dict[str, Any] | None, exact: bool
 ) -> None:
     assert chroma_where(where) == (expected, exact)
+
+
+# Any Chroma `where` is evaluated over the whole collection before the search (a scan that
+# grows with the collection: benchmarks/results/stores.md), so plain searches send none.
+def _pushdown(*, layers: frozenset[int] | None = None, carried: bool = False) -> Pushdown:
+    return Pushdown(
+        layers=layers, doc_ids=None, include_carried=carried, where=None, accepts=lambda _: True
+    )
+
+
+@pytest.mark.parametrize(
+    ("pushdown", "expected"),
+    [
+        (_pushdown(), (None, False)),  # carried copies and the manifest: dropped in Python
+        (_pushdown(carried=True), (None, False)),
+        (_pushdown(layers=frozenset({1})), ({"raptor_layer": {"$in": [1]}}, False)),
+        (_pushdown(layers=frozenset({1}), carried=True), ({"raptor_layer": {"$in": [1]}}, True)),
+    ],
+)
+def test_chroma_gets_no_where_for_the_structural_defaults(
+    pushdown: Pushdown, expected: tuple[Any, bool]
+) -> None:
+    assert ChromaDialect(in_memory_vectorstore()).translate(pushdown) == expected
+
+
+class _RecordingDialect(InMemoryDialect):
+    def __init__(self, vectorstore: InMemoryVectorStore) -> None:
+        super().__init__(vectorstore)
+        self.fetched: list[Any] = []
+
+    def fetch(self, ids: Sequence[str], *, native: Any, vectors: bool) -> list[Row]:
+        self.fetched.append(native)
+        return super().fetch(ids, native=native, vectors=vectors)
+
+
+def test_a_search_among_known_ids_sends_only_the_callers_filter() -> None:
+    """The ids bound what is fetched; the structural filter is checked in Python."""
+    vectorstore = in_memory_vectorstore()
+    dialect = _RecordingDialect(vectorstore)
+    store = LangChainNodeStore(vectorstore, dialect=dialect)
+    tree = store_tree(DIM)
+    store.add_tree(tree)
+    parent = next(n for n in tree.nodes if len(n.children) > 1)
+    q = np.eye(DIM, dtype=np.float32)[0]
+    dialect.fetched.clear()
+    found = store.search(q, 10, where=NodeFilter(parents=frozenset({parent.id})))
+    assert {m.node.id for m in found} == set(parent.children)
+    assert dialect.fetched and all(native is None for native in dialect.fetched)
+    first = parent.children[0]
+    mine = store.search(
+        q, 10, where=NodeFilter(parents=frozenset({parent.id}), native=lambda d: d.id == first)
+    )
+    assert [m.node.id for m in mine] == [first]
+
+
+class _LayerListingDialect(InMemoryDialect):
+    """Lists small layers, as ChromaDialect does, and counts how often it is asked."""
+
+    def __init__(self, vectorstore: InMemoryVectorStore) -> None:
+        super().__init__(vectorstore)
+        self.listed: list[int] = []
+
+    def layer_ids(self, layer: int, limit: int) -> frozenset[str] | None:
+        self.listed.append(layer)
+        ids = [d.id for d in self.scan() if d.metadata.get("raptor_layer") == layer]
+        return frozenset(str(i) for i in ids) if len(ids) <= limit else None
+
+
+def test_searches_in_a_small_layer_score_its_cached_ids() -> None:
+    vectorstore = in_memory_vectorstore()
+    dialect = _LayerListingDialect(vectorstore)
+    store = LangChainNodeStore(vectorstore, dialect=dialect)
+    tree = store_tree(DIM)
+    store.add_tree(tree)
+    reference, _ = filled_store()
+    top = frozenset({tree.top_layer})
+    q = np.eye(DIM, dtype=np.float32)[1]
+    for _ in range(2):
+        found = store.search(q, 3, where=NodeFilter(layers=top, include_carried=True))
+        expected = reference.search(q, 3, where=NodeFilter(layers=top, include_carried=True))
+        assert [(m.node.id, round(m.score, 6)) for m in found] == [
+            (m.node.id, round(m.score, 6)) for m in expected
+        ]
+    assert dialect.listed == [tree.top_layer]  # listed once, then cached
+    newcomer = replace(tree.nodes[-1], id="new-top", children=tree.nodes[-1].children)
+    store.add([newcomer], np.eye(DIM, dtype=np.float32)[1:2])  # a write forgets the cache
+    found = store.search(q, 1, where=NodeFilter(layers=top, include_carried=True))
+    assert [m.node.id for m in found] == ["new-top"]
+    assert dialect.listed == [tree.top_layer, tree.top_layer]
 
 
 # -- manifest, shape, reopening ----------------------------------------------------------------
