@@ -45,7 +45,6 @@ import json
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,6 +60,7 @@ from raptor_core.exceptions import (
     TreeFormatError,
 )
 from raptor_core.store.filters import check_where, compile_where
+from raptor_core.store.vectors import StoreShape, unit_rows
 from raptor_core.tree import Node, Tree, is_carried
 from raptor_core.types import Embedder, Match, NodeFilter
 from raptor_langchain.dialects import Pushdown, Row, StoreDialect, dialect_for
@@ -227,36 +227,6 @@ def _core_embedder(embeddings: Embeddings | Embedder | None) -> Embedder | None:
     return embeddings
 
 
-def _unit(vectors: object, n: int, dim: int | None) -> NDArray[np.float32]:
-    arr = np.asarray(vectors, dtype=np.float32)
-    if arr.size == 0 and n == 0:
-        return np.zeros((0, dim or 0), dtype=np.float32)
-    if arr.ndim != 2 or arr.shape[0] != n:
-        msg = f"add() needs one vector per node: got {n} nodes, vectors of shape {arr.shape}"
-        raise InvalidInputError(msg)
-    if dim is not None and arr.shape[1] != dim:
-        msg = f"vectors have dimension {arr.shape[1]} but the store holds dimension {dim}"
-        raise InvalidInputError(msg)
-    if not np.all(np.isfinite(arr)):
-        msg = "vectors contain NaN or infinite values"
-        raise InvalidInputError(msg)
-    norms = np.linalg.norm(arr.astype(np.float64), axis=1, keepdims=True)
-    if np.any(norms == 0.0):
-        msg = "vectors contain an all-zero row; cosine similarity is undefined for it"
-        raise InvalidInputError(msg)
-    return np.ascontiguousarray(arr / norms, dtype=np.float32)
-
-
-@dataclass(frozen=True, slots=True)
-class _Shape:
-    params: dict[str, Any]
-    dim: int
-    size: int
-
-    def __len__(self) -> int:
-        return self.size
-
-
 class LangChainNodeStore:
     """A :class:`~raptor_core.types.NodeStore` inside a LangChain ``VectorStore``.
 
@@ -384,13 +354,13 @@ class LangChainNodeStore:
             manifest.setdefault("layer_sizes", [])
         self._write_manifest(manifest)
 
-    def shape(self) -> _Shape:
+    def shape(self) -> StoreShape:
         """What a load checks a caller's embedder against: the recorded params, dim, size.
 
         Duck-types the part of a :class:`Tree` that
         :func:`raptor_core.components.check_embedder` reads.
         """
-        return _Shape(params=self.params, dim=self.dim or 0, size=len(self))
+        return StoreShape(params=self.params, dim=self.dim or 0, size=len(self))
 
     @property
     def complete(self) -> bool:
@@ -467,7 +437,7 @@ class LangChainNodeStore:
         if MANIFEST_ID in ids:
             msg = f"{MANIFEST_ID!r} is reserved for the tree's manifest; rename the node"
             raise InvalidInputError(msg)
-        arr = _unit(vectors, len(nodes), self.dim)
+        arr = unit_rows(vectors, len(nodes), self.dim)
         if not nodes:
             return
         counting = self.dialect.can_count

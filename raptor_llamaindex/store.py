@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -70,6 +69,7 @@ from numpy.typing import NDArray
 
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
 from raptor_core.store.filters import check_where, compile_where
+from raptor_core.store.vectors import StoreShape, unit_rows
 from raptor_core.tree import Node, Tree, is_carried
 from raptor_core.types import Match, NodeFilter
 from raptor_llamaindex._backends import BATCH, backend_for
@@ -355,38 +355,6 @@ def _li_filters(
     return parts, exact
 
 
-def _unit(vectors: object, n: int, dim: int | None) -> NDArray[np.float32]:
-    arr = np.asarray(vectors, dtype=np.float32)
-    if arr.size == 0 and n == 0:
-        return np.zeros((0, dim or 0), dtype=np.float32)
-    if arr.ndim != 2 or arr.shape[0] != n:
-        msg = f"add() needs one vector per node: got {n} nodes, vectors of shape {arr.shape}"
-        raise InvalidInputError(msg)
-    if dim is not None and arr.shape[1] != dim:
-        msg = f"vectors have dimension {arr.shape[1]} but the store holds dimension {dim}"
-        raise InvalidInputError(msg)
-    if not np.all(np.isfinite(arr)):
-        msg = "vectors contain NaN or infinite values"
-        raise InvalidInputError(msg)
-    norms = np.linalg.norm(arr.astype(np.float64), axis=1, keepdims=True)
-    if np.any(norms == 0.0):
-        msg = "vectors contain an all-zero row; cosine similarity is undefined for it"
-        raise InvalidInputError(msg)
-    return np.ascontiguousarray(arr / norms, dtype=np.float32)
-
-
-@dataclass(frozen=True, slots=True)
-class _Shape:
-    """The part of a :class:`Tree` that checking a caller's embedder reads."""
-
-    params: Mapping[str, Any]
-    dim: int
-    size: int
-
-    def __len__(self) -> int:
-        return self.size
-
-
 # -- the store ---------------------------------------------------------------------------------
 class LlamaIndexNodeStore:
     """A :class:`~raptor_core.types.NodeStore` inside a LlamaIndex vector store.
@@ -456,9 +424,9 @@ class LlamaIndexNodeStore:
             self._top = self.backend.max_layer()
         return self._top
 
-    def shape(self) -> _Shape:
+    def shape(self) -> StoreShape:
         """What checking a caller's embedder reads: the recorded params, dim and size."""
-        return _Shape(params=self.params, dim=self.dim or 0, size=len(self))
+        return StoreShape(params=self.params, dim=self.dim or 0, size=len(self))
 
     # -- writes ----------------------------------------------------------------------------------
     def add(self, nodes: Sequence[Node], vectors: NDArray[np.float32]) -> None:
@@ -473,7 +441,7 @@ class LlamaIndexNodeStore:
         if len(set(ids)) != len(ids):
             msg = "add() got the same node id twice in one call"
             raise InvalidInputError(msg)
-        arr = _unit(vectors, len(nodes), self.dim if len(nodes) else None)
+        arr = unit_rows(vectors, len(nodes), self.dim if len(nodes) else None)
         if not nodes:
             return
         self.backend.delete(ids)
@@ -523,7 +491,7 @@ class LlamaIndexNodeStore:
         if any(v is None for v in by_id.values()):
             msg = f"{type(self.vector_store).__name__} returns no stored vectors"
             raise InvalidParameterError(msg)
-        return _unit(np.stack([by_id[i] for i in ids]), len(ids), None)  # type: ignore[misc]
+        return unit_rows(np.stack([by_id[i] for i in ids]), len(ids), None)  # type: ignore[misc]
 
     def to_tree(self) -> Tree:
         """The stored nodes as an in-memory :class:`Tree` (layer by layer), for ``Tree.save``.

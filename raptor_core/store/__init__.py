@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from raptor_core.store.filters import check_where, compile_where
 from raptor_core.store.memory import InMemoryNodeStore
+from raptor_core.store.vectors import StoreShape, unit_rows
 from raptor_core.types import Match, NodeFilter, NodeStore
 
 __all__ = [
@@ -16,6 +17,8 @@ __all__ = [
     "Match",
     "NodeFilter",
     "NodeStore",
+    "StoreShape",
     "check_where",
     "compile_where",
+    "unit_rows",
 ]

@@ -22,6 +22,7 @@ from numpy.typing import NDArray
 from raptor_core._threads import matvec
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 from raptor_core.store.filters import canonical, compile_where
+from raptor_core.store.vectors import unit_rows
 from raptor_core.tree import Node, Tree, is_carried
 from raptor_core.types import Match, NodeFilter, VectorIndex
 
@@ -135,7 +136,7 @@ class InMemoryNodeStore:
     def _append(self, nodes: list[Node], vectors: object, *, check: bool) -> None:
         arr = np.asarray(vectors, dtype=np.float32)
         if check:
-            arr = _unit_rows(arr, len(nodes), self.dim)
+            arr = unit_rows(arr, len(nodes), self.dim)
         if not nodes:
             return
         start = len(self._nodes)
@@ -403,22 +404,3 @@ def _filter_key(where: NodeFilter) -> Any:
 def _rows(index: Mapping[str, int], ids: Any) -> NDArray[np.intp]:
     found = [index[i] for i in ids if i in index]
     return np.unique(np.asarray(found, dtype=np.intp))
-
-
-def _unit_rows(arr: NDArray[np.float32], n: int, dim: int | None) -> NDArray[np.float32]:
-    if arr.ndim == 1 and arr.size == 0:
-        arr = arr.reshape(0, dim or 0)
-    if arr.ndim != 2 or arr.shape[0] != n:
-        msg = f"add() needs one vector per node: got {n} nodes, vectors of shape {arr.shape}"
-        raise InvalidInputError(msg)
-    if dim is not None and n and arr.shape[1] != dim:
-        msg = f"vectors have dimension {arr.shape[1]} but the store holds dimension {dim}"
-        raise InvalidInputError(msg)
-    if not np.all(np.isfinite(arr)):
-        msg = "vectors contain NaN or infinite values"
-        raise InvalidInputError(msg)
-    norms = np.linalg.norm(arr.astype(np.float64), axis=1, keepdims=True)
-    if np.any(norms == 0.0):
-        msg = "vectors contain an all-zero row; cosine similarity is undefined for it"
-        raise InvalidInputError(msg)
-    return np.ascontiguousarray(arr / norms, dtype=np.float32)

@@ -1,0 +1,61 @@
+"""Checks every store applies to the vectors it is given, and the shape it reports.
+
+The in-memory store and the adapters' stores (LangChain, LlamaIndex) accept vectors from
+callers and from other stores; each must refuse the same bad input with the same message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from raptor_core.exceptions import InvalidInputError
+
+__all__ = ["StoreShape", "unit_rows"]
+
+
+def unit_rows(vectors: object, n: int, dim: int | None) -> NDArray[np.float32]:
+    """``vectors`` as ``(n, d)`` float32 rows of unit length, after checking them.
+
+    Args:
+        vectors: one vector per node (anything ``numpy.asarray`` takes).
+        n: the number of nodes the vectors belong to.
+        dim: the store's dimension; None when it holds nothing yet.
+
+    Raises:
+        InvalidInputError: not one vector per node, another dimension than the store's,
+            NaN or infinite values, or an all-zero row (cosine is undefined for it).
+    """
+    arr = np.asarray(vectors, dtype=np.float32)
+    if arr.size == 0 and n == 0:
+        return np.zeros((0, dim or 0), dtype=np.float32)
+    if arr.ndim != 2 or arr.shape[0] != n:
+        msg = f"add() needs one vector per node: got {n} nodes, vectors of shape {arr.shape}"
+        raise InvalidInputError(msg)
+    if dim is not None and arr.shape[1] != dim:
+        msg = f"vectors have dimension {arr.shape[1]} but the store holds dimension {dim}"
+        raise InvalidInputError(msg)
+    if not np.all(np.isfinite(arr)):
+        msg = "vectors contain NaN or infinite values"
+        raise InvalidInputError(msg)
+    norms = np.linalg.norm(arr.astype(np.float64), axis=1, keepdims=True)
+    if np.any(norms == 0.0):
+        msg = "vectors contain an all-zero row; cosine similarity is undefined for it"
+        raise InvalidInputError(msg)
+    return np.ascontiguousarray(arr / norms, dtype=np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreShape:
+    """What checking a caller's embedder reads of a stored tree (``check_embedder``)."""
+
+    params: Mapping[str, Any]
+    dim: int
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
