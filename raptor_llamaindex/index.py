@@ -82,7 +82,9 @@ _RETRIEVER_ARGS = frozenset(
 )
 #: Keywords LlamaIndex hands to both the retriever and the engine (as ``BaseIndex`` does).
 _SHARED_ARGS = frozenset({"callback_manager", "verbose"})
-_RETRIEVER_ONLY_ARGS = frozenset({"objects", "object_map", "filters"})
+_RETRIEVER_ONLY_ARGS = frozenset(
+    {"objects", "object_map", "filters", "vector_store_query_mode", "vector_store_kwargs"}
+)
 
 
 def excluded_metadata_keys(items: Iterable[Any]) -> dict[str, list[str]]:
@@ -952,10 +954,16 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
 
         Args:
             **kwargs: ``strategy``, ``similarity_top_k``, ``max_tokens``, strategy parameters,
-                ``llm`` (for LLM-guided strategies), ``callback_manager``, ``verbose``.
+                ``llm`` (for LLM-guided strategies), ``callback_manager``, ``verbose``,
+                ``filters``, ``vector_store_query_mode="mmr"`` with
+                ``vector_store_kwargs={"mmr_threshold": ...}``.
         """
         llm = kwargs.pop("llm", None) or self._llm
         kwargs.setdefault("callback_manager", self._callback_manager)
+        mode = kwargs.get("vector_store_query_mode")
+        if getattr(mode, "value", mode) == "mmr":
+            # MMR replaces the saved strategy, and the saved strategy's parameters with it.
+            kwargs.setdefault("strategy", "mmr")
         retriever = RaptorRetriever(
             self._store,
             self._embedder,

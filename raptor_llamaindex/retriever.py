@@ -188,6 +188,63 @@ def strategy_param_names(strategy: str) -> frozenset[str]:
     return frozenset(accepted_params(strategy)) - {"k", "max_tokens"}
 
 
+#: ``VectorStoreQueryMode`` values a RAPTOR retriever serves (LlamaIndex's own habit).
+QUERY_MODES = ("default", "mmr")
+#: Strategies ``vector_store_query_mode="mmr"`` may replace: the default ones (saved by an
+#: index) and the collapsed pool MMR re-ranks.
+_MMR_REPLACES = frozenset({CORE_DEFAULT_STRATEGY, "collapsed", "mmr"})
+
+
+def query_mode_strategy(
+    mode: object,
+    kwargs: Mapping[str, Any] | None,
+    strategy: str,
+    strategy_params: Mapping[str, Any],
+) -> tuple[str, dict[str, Any]]:
+    """The strategy and parameters that LlamaIndex's ``vector_store_query_mode`` asks for.
+
+    ``"mmr"`` runs the core ``"mmr"`` strategy, with ``mmr_threshold`` as its
+    ``lambda_mult`` (both weigh relevance against redundancy the same way).
+
+    Raises:
+        InvalidParameterError: an unsupported mode, unknown ``vector_store_kwargs``, or
+            ``"mmr"`` with a strategy it cannot replace.
+    """
+    name = getattr(mode, "value", mode)  # a VectorStoreQueryMode member or its string
+    if name not in QUERY_MODES:
+        msg = (
+            f"vector_store_query_mode must be one of {', '.join(map(repr, QUERY_MODES))} "
+            f"for a RAPTOR retriever, got {mode!r} (for keyword or hybrid search, use "
+            "strategy='passage', which adds BM25 to the dense ranking)"
+        )
+        raise InvalidParameterError(msg)
+    extra = dict(kwargs or {})
+    params = dict(strategy_params)
+    if name == "default":
+        if extra:
+            msg = (
+                f"vector_store_kwargs {sorted(extra)} need vector_store_query_mode='mmr'; "
+                "pass strategy parameters as keywords instead"
+            )
+            raise InvalidParameterError(msg)
+        return strategy, params
+    unknown = sorted(set(extra) - {"mmr_threshold"})
+    if unknown:
+        msg = f"unknown vector_store_kwargs {unknown} for mmr; accepted: mmr_threshold"
+        raise InvalidParameterError(msg)
+    if strategy not in _MMR_REPLACES:
+        msg = (
+            f"vector_store_query_mode='mmr' runs the 'mmr' strategy; it cannot be combined "
+            f"with strategy={strategy!r}"
+        )
+        raise InvalidParameterError(msg)
+    if strategy != "mmr":
+        params = {}  # parameters of the replaced strategy would not fit MMR
+    if "mmr_threshold" in extra:
+        params["lambda_mult"] = extra["mmr_threshold"]
+    return "mmr", params
+
+
 class RaptorRetriever(BaseRetriever):
     """RAPTOR tree retriever for LlamaIndex.
 
@@ -221,6 +278,10 @@ class RaptorRetriever(BaseRetriever):
         excluded_llm_metadata_keys / excluded_embed_metadata_keys: document metadata keys to
             keep out of prompts / embeddings (``RaptorIndex`` copies them from your
             ``Document`` objects, e.g. the file paths ``SimpleDirectoryReader`` hides).
+        vector_store_query_mode: ``"default"``, or ``"mmr"`` as with ``VectorIndexRetriever``:
+            runs the ``"mmr"`` strategy (maximal marginal relevance over every layer);
+            ``vector_store_kwargs={"mmr_threshold": x}`` weighs relevance against novelty
+            (the core's ``lambda_mult``; 1 is plain similarity).
         **strategy_params: the strategy's own parameters, e.g. ``layers=[0]`` or
             ``min_score=0.3`` for collapsed; ``start_layer``, ``num_layers``, ``top_k``,
             ``threshold`` for traversal.
@@ -269,8 +330,13 @@ class RaptorRetriever(BaseRetriever):
         objects: list[IndexNode] | None = None,
         object_map: dict[str, Any] | None = None,
         verbose: bool = False,
+        vector_store_query_mode: str = "default",
+        vector_store_kwargs: Mapping[str, Any] | None = None,
         **strategy_params: Any,
     ) -> None:
+        strategy, strategy_params = query_mode_strategy(
+            vector_store_query_mode, vector_store_kwargs, strategy, strategy_params
+        )
         if not isinstance(tree, Tree | NodeStore):
             msg = (
                 "tree must be a raptor_core Tree or a NodeStore (LlamaIndexNodeStore, ...), "

@@ -279,3 +279,22 @@ def test_retriever_from_a_saved_tree_with_the_core_model(
     assert retriever.strategy == "traversal" and retriever.strategy_params == {"top_k": 2}
     nodes = retriever.retrieve("sourdough starter")
     assert 0 < len(nodes) <= 4
+
+
+def test_mmr_query_mode_with_the_real_model(index: RaptorIndex) -> None:
+    from llama_index.core.vector_stores.types import VectorStoreQueryMode
+
+    from raptor_core import make_retriever
+
+    query = "What do the essays say about water?"
+    mmr = index.as_retriever(
+        vector_store_query_mode=VectorStoreQueryMode.MMR,
+        vector_store_kwargs={"mmr_threshold": 0.5},
+        similarity_top_k=5,
+    )
+    hits = mmr.retrieve(query)
+    core = make_retriever(
+        "mmr", index.store, index.embedder, k=5, lambda_mult=0.5, max_tokens=mmr.max_tokens
+    ).retrieve(query)
+    assert [h.node.node_id for h in hits] == [h.id for h in core]
+    assert {h.node.metadata["raptor_source"] for h in hits} == {"mmr"}
