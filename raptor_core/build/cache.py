@@ -285,6 +285,27 @@ def _error_kind(exc: sqlite3.Error) -> str:
     return "other"
 
 
+def _enable_wal(conn: sqlite3.Connection) -> None:
+    """Switch ``conn`` to write-ahead logging, waiting out other connections that hold a lock.
+
+    SQLite answers a journal-mode change with "database is locked" at once, without its busy
+    handler, while another connection is creating or preparing the same file (several threads
+    or processes opening one new cache); so wait and retry here, up to the busy timeout.
+    """
+    deadline = time.monotonic() + _BUSY_TIMEOUT
+    delay = 0.005
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            busy = "locked" in str(exc) or "busy" in str(exc)
+            if not busy or time.monotonic() >= deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
 class BuildCache:
     """Summaries and embeddings of a build, persisted in ``directory/cache.sqlite3``.
 
@@ -368,7 +389,7 @@ class BuildCache:
             self.path, timeout=_BUSY_TIMEOUT, check_same_thread=False, isolation_level=None
         )
         try:
-            conn.execute("PRAGMA journal_mode=WAL")
+            _enable_wal(conn)
             # FULL: a commit is on disk when it returns, so a killed build keeps every answer
             # it had received.  One fsync per answer is nothing next to a model call.
             conn.execute("PRAGMA synchronous=FULL")

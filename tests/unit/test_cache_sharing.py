@@ -165,6 +165,7 @@ def test_threads_embedding_the_same_texts_split_the_work_and_pay_once(tmp_path) 
         thread.start()
     for thread in threads:
         thread.join()
+    assert len(results) == 3  # no thread failed (opening one new cache from three at once)
     assert sorted(inner.sent) == sorted(texts)  # every text sent exactly once
     expected = FakeEmbedder(16).embed_documents(texts)
     for vectors in results:
