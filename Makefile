@@ -25,7 +25,7 @@ install-dev: $(BIN)/python
 	$(PIP) install -q -e '.[dev]'
 
 quickstart: install
-	$(BIN)/raptor build docs README.md --out .raptor/docs-tree
+	$(BIN)/raptor build docs README.md --glob '*.md' --out .raptor/docs-tree --overwrite
 	$(BIN)/raptor inspect .raptor/docs-tree
 	$(BIN)/raptor query .raptor/docs-tree "What happens to a cluster that is too long to summarise?" --max-tokens 400
 
