@@ -11,8 +11,12 @@ already spent, plus every reservation in flight, plus this worst case, stays wit
 the check and the reservation happen under one lock, so concurrent workers cannot both take
 the last of the budget.  When the call returns its reservation is replaced by what it really
 cost: the usage the summariser reports (``usage.snapshot()``, as the OpenAI backend's
-``prompt_tokens``/``completion_tokens``), or, where it reports less or nothing, the builder's
-own count of the prompt and the answer.
+``prompt_tokens``/``completion_tokens``), or, when it reports none, the builder's own count of
+the prompt and the answer.  An LLM summariser's worst case also counts
+``CHAT_FRAMING_TOKENS`` for the chat format's own tokens.  Prompts are counted with the
+build's tokenizer: a model whose tokenizer needs more tokens than it for the same text could
+pass the cap by that difference on its last call.  Retries of answers the service billed
+(a truncated completion asked again) are counted when they are reported, after the call.
 
 The first call that does not fit is not made: the build waits for the calls in flight (so
 their answers reach the cache) and raises :class:`~raptor_core.exceptions.BudgetExceededError`.
@@ -30,8 +34,10 @@ from typing import Any
 from raptor_core.exceptions import BudgetExceededError, InvalidParameterError
 from raptor_core.types import AsyncSummarizer, Summarizer, Tokenizer
 
-__all__ = ["LLMBudget", "Pricing", "Spend"]
+__all__ = ["CHAT_FRAMING_TOKENS", "LLMBudget", "Pricing", "Spend"]
 
+#: Tokens added to an LLM summariser's worst case for the chat format (role markers, priming).
+CHAT_FRAMING_TOKENS = 12
 # How often an async call refused by the budget checks whether the calls in flight are done.
 _DRAIN_POLL_S = 0.02
 
@@ -174,14 +180,17 @@ def resolve_pricing(budget: object, summarizer: object) -> Pricing | None:
 def prompt_tokens(summarizer: object, tokenizer: Tokenizer, texts: Sequence[str]) -> int:
     """Tokens of the prompt ``summarizer`` sends for ``texts``, by the build's tokenizer.
 
-    The rendered template when the summariser has ``render`` (LLM summarisers), else the texts
-    themselves; plus the system message of an ``llm`` that has one.
+    The rendered template plus :data:`CHAT_FRAMING_TOKENS` when the summariser has ``render``
+    (LLM summarisers), else the texts themselves; plus the system message of an ``llm`` that
+    has one.
     """
     from raptor_core.tokenizers import count_tokens
 
     render = getattr(summarizer, "render", None)
     prompt = render(list(texts)) if callable(render) else "\n\n".join(texts)
     total = count_tokens(tokenizer, str(prompt))
+    if callable(render):
+        total += CHAT_FRAMING_TOKENS
     system = getattr(getattr(summarizer, "llm", None), "system_prompt", None)
     if isinstance(system, str):
         total += count_tokens(tokenizer, system)
@@ -241,9 +250,11 @@ class Meter:
     def _spent_tokens(self) -> tuple[int, int, int]:
         now = _reported(self.summarizer)
         calls, prompt, completion = (a - b for a, b in zip(now, self._baseline, strict=True))
-        # The larger of the server's count and ours: servers that report no usage are still
-        # metered, and a server's count (retries, chat framing) wins when it is higher.
-        return max(calls, self._calls), max(prompt, self._prompt), max(completion, self._completion)
+        if prompt or completion:
+            # What the service billed (retries and chat framing included) is the real spend.
+            return max(calls, self._calls), prompt, completion
+        # A summariser (or a server) that reports no usage: our own count.
+        return self._calls, self._prompt, self._completion
 
     def spend(self) -> Spend:
         """What the run's summary calls have used so far."""

@@ -742,6 +742,7 @@ class _Fetch:
         self.values: dict[str, Any] = {}
         self.computed = 0  # keys answered by this fetch's own calls
         self._held: _Claim | None = None
+        self._abandoned = False  # release() ran: a claim taken from now on is given back
         self._lock = threading.Lock()
         self._first = True
         self._delay = _POLL_FIRST
@@ -766,7 +767,15 @@ class _Fetch:
         self._take(claim.found)
         if claim.keys:
             with self._lock:
-                self._held = claim
+                abandoned = self._abandoned
+                if not abandoned:
+                    self._held = claim
+            if abandoned:
+                # A cancelled async caller released this fetch while its worker thread was
+                # still claiming (asyncio.run cancels the thread's task at shutdown): give the
+                # claim back, or a rerun in this process would wait a whole lease for it.
+                self.cache._release(claim)
+                return []
             self._delay = _POLL_FIRST
             return list(claim.keys)
         if not self.pending:
@@ -801,6 +810,7 @@ class _Fetch:
     def release(self) -> None:
         """Give back the claim in hand, if any (never raises: it runs while failing)."""
         with self._lock:
+            self._abandoned = True
             claim, self._held = self._held, None
         if claim is not None:
             try:

@@ -451,3 +451,24 @@ def test_stage_clock_eta(monkeypatch: pytest.MonkeyPatch) -> None:
     clock.begin("summarize")
     now[0] = 113.0
     assert clock.times("summarize", 1, 4) == (3.0, 9.0)
+
+
+def test_an_async_build_stopped_by_the_cap_leaves_no_claim_in_the_cache(tmp_path: Path) -> None:
+    """asyncio.run cancels the worker-thread tasks still claiming: their claims are given back.
+
+    A claim left behind would make the rerun in this process wait a whole lease (600 s).
+    """
+    import sqlite3
+
+    for i in range(20):
+        directory = tmp_path / str(i)
+        capped = builder(
+            AsyncPricedSummarizer(delay=0.005),
+            budget=LLMBudget(max_summary_tokens=150 + 7 * i),
+            max_concurrency=8,
+            cache=directory,
+        )
+        with pytest.raises(BudgetExceededError):
+            asyncio.run(capped.abuild(DOCS))
+        with sqlite3.connect(directory / "cache.sqlite3") as db:
+            assert db.execute("SELECT COUNT(*) FROM claims").fetchone() == (0,)
