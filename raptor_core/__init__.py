@@ -13,13 +13,16 @@ from raptor_core._version import __version__
 from raptor_core.backends.faiss_index import FaissIndex
 from raptor_core.backends.numpy_index import NumpyIndex
 from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
+from raptor_core.build.budget import LLMBudget, Pricing
 from raptor_core.build.builder import TreeBuilder
 from raptor_core.build.chunking import SentenceChunker
 from raptor_core.build.clustering import GMMClusterer
 from raptor_core.build.incremental import TreeUpdate, UpdateReport
+from raptor_core.build.progress import BuildProgress
 from raptor_core.build.summarizers import ExtractiveSummarizer, LLMSummarizer
 from raptor_core.exceptions import (
     BackendError,
+    BudgetExceededError,
     CacheError,
     EmbeddingError,
     EmbeddingResponseError,
@@ -77,6 +80,8 @@ __all__ = [
     "AsyncLLM",
     "AsyncSummarizer",
     "BackendError",
+    "BudgetExceededError",
+    "BuildProgress",
     "CacheError",
     "Chunk",
     "Chunker",
@@ -97,6 +102,7 @@ __all__ = [
     "InvalidParameterError",
     "JudgeDecision",
     "LLMAuthenticationError",
+    "LLMBudget",
     "LLMError",
     "LLMGuidedRetriever",
     "LLMRequestError",
@@ -111,6 +117,7 @@ __all__ = [
     "NodeStore",
     "NumpyIndex",
     "PassageRetriever",
+    "Pricing",
     "RaptorError",
     "RegexTokenizer",
     "SentenceChunker",
