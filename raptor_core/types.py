@@ -30,6 +30,7 @@ __all__ = [
     "Match",
     "NodeFilter",
     "NodeStore",
+    "SpanEmbedder",
     "Summarizer",
     "Tokenizer",
     "VectorIndex",
@@ -88,6 +89,23 @@ class Embedder(Protocol):
 
     def embed_query(self, text: str) -> NDArray[np.float32]:
         """Return an array of shape ``(d,)``."""
+        ...
+
+
+@runtime_checkable
+class SpanEmbedder(Protocol):
+    """Optional: an embedder that also returns vectors of character spans inside each text.
+
+    A span's vector pools the model's *contextual* token vectors over that span, from the same
+    forward pass as the text's own vector, so span vectors cost nothing extra.  The default
+    extractive summariser uses them as sentence vectors (see
+    :class:`~raptor_core.build.summarizers.ExtractiveSummarizer`).
+    """
+
+    def embed_spans(
+        self, texts: Sequence[str], spans: Sequence[Sequence[tuple[int, int]]]
+    ) -> tuple[NDArray[np.float32], list[NDArray[np.float32]]]:
+        """Return ``embed_documents(texts)`` and, per text, a ``(len(spans[i]), d)`` array."""
         ...
 
 

@@ -515,6 +515,11 @@ class _BuildRun:
                 self.embedder = CachedEmbedder(self.embedder, self.cache)
             if getattr(self.summarizer, "cacheable", True):
                 self.summarizer = CachedSummarizer(self.summarizer, self.cache)
+        tap = getattr(self.raw_summarizer, "sentence_vector_tap", None)
+        if callable(tap) and self.embedder is self.raw_embedder:
+            # The extractive summariser takes its sentence vectors from the forward passes
+            # that embed each layer, instead of embedding every sentence again.
+            self.embedder = tap(self.embedder)
         self.usage_seen: dict[str, dict[str, int]] = {}
         self.usage_delta()  # baseline: a reused component may have spent before this build
         self.nodes: list[Node] = []

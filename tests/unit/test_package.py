@@ -58,6 +58,7 @@ EXPECTED_ALL = {
     "RegexTokenizer",
     "SentenceChunker",
     "SentenceTransformerEmbedder",
+    "SpanEmbedder",
     "SummarizationError",
     "Summarizer",
     "TiktokenTokenizer",
