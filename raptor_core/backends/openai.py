@@ -276,6 +276,7 @@ class _RatePacer:
         self._tokens = _Window()
         self._in_flight = 0
         self._in_flight_tokens = 0
+        self._answered = False  # no answer yet: its headers, if any, are still unknown
         self._sent: deque[tuple[float, int]] = deque()  # (when, tokens) of the last minute
 
     def _cap_wait(self, now: float, tokens: int, rpm: int | None, tpm: int | None) -> float:
@@ -301,6 +302,10 @@ class _RatePacer:
         caller's own caps.
         """
         with self._lock:
+            if not self._answered and self._in_flight:
+                # The first request goes alone: a burst sent before any answer has told us
+                # the limits could be over them at once (many tasks start together).
+                return _PACE_POLL
             now = self.clock()
             self._requests.refill(now, self._in_flight)
             self._tokens.refill(now, self._in_flight_tokens)
@@ -346,6 +351,7 @@ class _RatePacer:
         with self._lock:
             self._in_flight -= 1
             self._in_flight_tokens -= tokens
+            self._answered = True
 
 
 class _OpenAIService:
