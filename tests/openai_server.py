@@ -185,7 +185,8 @@ class RateLimit:
         tokens: tokens allowed per window (a request costs ceil(characters / 4) of its
             messages or inputs, plus its ``max_tokens``, as OpenAI's estimate does).
         window: window length in seconds; a window starts with the first request after the
-            previous one ended.
+            previous one ended.  Chat and embeddings have a window each (OpenAI limits each
+            model on its own).
         enforce: answer 429 over the limit (False: only send the headers).
     """
 
@@ -315,8 +316,8 @@ class FakeOpenAIServer:
         self.batch_retrievals = 0
         self._batch_state: dict[str, int] = {}  # id -> retrievals left before it ends
         self._ids = itertools.count(1)
-        self._window_start = -math.inf
-        self._window_used = [0, 0]  # requests, tokens
+        # Per endpoint, as OpenAI limits each model on its own: (start, [requests, tokens]).
+        self._windows: dict[str, tuple[float, list[int]]] = {}
         self.delay = delay
         self.embed_delay = embed_delay
         self.faults = faults
@@ -477,7 +478,7 @@ class FakeOpenAIServer:
                 handler, 404, self._error(404, message, "invalid_request_error", "model_not_found")
             )
             return
-        limit_headers = self._rate_limit(body)
+        limit_headers = self._rate_limit(endpoint, body)
         if limit_headers is not None and limit_headers.pop("over", ""):
             record.status = 429
             self._send(
@@ -550,24 +551,25 @@ class FakeOpenAIServer:
         limit = body.get("max_tokens") or body.get("max_completion_tokens") or 0
         return sum(math.ceil(len(t) / 4) for t in texts) + int(limit)
 
-    def _rate_limit(self, body: dict[str, Any]) -> dict[str, str] | None:
-        """Count the request in the window; its headers (``"over"`` set when it is over)."""
+    def _rate_limit(self, endpoint: str, body: dict[str, Any]) -> dict[str, str] | None:
+        """Count the request in its endpoint's window; the headers (``"over"``: over it)."""
         limit = self.rate_limit
         if limit is None:
             return None
         tokens = self.request_tokens(body)
         with self._lock:
             now = time.monotonic()
-            if now >= self._window_start + limit.window:
-                self._window_start, self._window_used = now, [0, 0]
-            used = self._window_used
+            start, used = self._windows.get(endpoint, (-math.inf, [0, 0]))
+            if now >= start + limit.window:
+                start, used = now, [0, 0]
+                self._windows[endpoint] = (start, used)
             over = used[0] + 1 > limit.requests or used[1] + tokens > limit.tokens
             if over and limit.enforce:
                 self.rate_limited += 1
             else:
                 used[0] += 1
                 used[1] += tokens
-            reset = _format_duration(self._window_start + limit.window - now)
+            reset = _format_duration(start + limit.window - now)
             headers = {
                 "x-ratelimit-limit-requests": str(limit.requests),
                 "x-ratelimit-limit-tokens": str(limit.tokens),

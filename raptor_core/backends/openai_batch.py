@@ -209,7 +209,17 @@ class OpenAIBatchSummarizer(OpenAISummarizer):
         if batch is None:
             batch = self._submit(cache, key, client, bodies)
         batch = self._wait(cache, key, client, batch)
-        answers = self._collect(client, batch, len(bodies))
+        try:
+            answers = self._collect(client, batch, len(bodies))
+        except LLMRequestError as exc:
+            # The service deletes files after a while: a job finished long ago, resumed now,
+            # may have lost its output.  Forget it, or every rerun would fail the same way.
+            cache.delete_job(key)
+            msg = (
+                f"{self.llm._where()}: the results of batch {batch.id} cannot be read ({exc}); "
+                "the job is forgotten: build again to submit a new one"
+            )
+            raise LLMBatchError(msg, batch_id=str(batch.id), status="completed") from exc
         cache.delete_job(key)
         out: list[str] = []
         for i, texts in enumerate(clusters):

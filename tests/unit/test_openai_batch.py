@@ -206,6 +206,27 @@ def test_cancelled_batch_raises_then_a_rerun_submits_anew(tmp_path: Path) -> Non
         assert len(server.batches) == 2
 
 
+def test_results_lost_by_the_service_are_a_typed_error_then_a_new_job(tmp_path: Path) -> None:
+    openai = pytest.importorskip("openai")
+    with FakeOpenAIServer(batch_polls=10**6) as server, BuildCache(tmp_path) as cache:
+        with pytest.raises(LLMBatchError):
+            batch_summarizer(server.url, batch_timeout=0.05).summarize_batch(
+                CLUSTERS, max_tokens=20, cache=cache
+            )
+        (batch_id,) = server.batches
+        server.release_batches()
+        client = openai.OpenAI(base_url=server.url, api_key="sk-test-key")
+        done = client.batches.retrieve(batch_id)
+        assert done.status == "completed"
+        del server.files[done.output_file_id]  # the service deleted it meanwhile
+        summarizer = batch_summarizer(server.url)
+        with pytest.raises(LLMBatchError, match="cannot be read"):
+            summarizer.summarize_batch(CLUSTERS, max_tokens=20, cache=cache)
+        server.batch_polls = 0
+        assert len(summarizer.summarize_batch(CLUSTERS, max_tokens=20, cache=cache)) == 3
+        assert len(server.batches) == 2
+
+
 def test_job_records_are_checked_like_cache_entries(tmp_path: Path) -> None:
     with BuildCache(tmp_path) as cache:
         key = cache.job_key("ns", [{"a": 1}])

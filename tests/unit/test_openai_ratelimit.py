@@ -23,7 +23,7 @@ from raptor_core.backends.openai import (
 )
 from raptor_core.exceptions import InvalidParameterError, LLMError
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [*LOCALHOST, pytest.mark.timeout(120)]
 
 
 class FakeClock:
@@ -253,6 +253,19 @@ def test_paced_tasks_provoke_no_429() -> None:
         assert server.rate_limited == 0
 
 
+def test_a_build_through_a_rate_limited_server_provokes_no_429(tmp_path: Any) -> None:
+    """Embedder and summariser (each paced on its own window) inside a real build."""
+    from openai_server import CORPUS, openai_builder, tree_signature
+
+    with FakeOpenAIServer() as server:
+        reference = openai_builder(server.url).build(CORPUS)
+    with FakeOpenAIServer(rate_limit=RateLimit(requests=4, window=0.3)) as server:
+        tree = openai_builder(server.url, max_concurrency=4, max_retries=0).build(CORPUS)
+        assert server.rate_limited == 0
+    assert tree_signature(tree) == tree_signature(reference)
+    assert tree.build_info["usage"]["summarize"]["paced"] >= 1
+
+
 def test_token_window_paces_embeddings() -> None:
     texts = [f"text number {i} " * 10 for i in range(8)]  # about 40 tokens each
     limit = RateLimit(tokens=100, window=0.4)  # two texts per window
@@ -269,6 +282,3 @@ def test_token_window_paces_embeddings() -> None:
         assert vectors.shape == (8, 32)
         assert server.rate_limited == 0
         assert embedder.usage.snapshot()["paced"] >= 1
-
-
-pytestmark = [pytestmark, *LOCALHOST]
