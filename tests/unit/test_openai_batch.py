@@ -293,3 +293,29 @@ def test_killed_while_polling_a_rerun_attaches_to_the_same_batch(
         assert server.requests("chat") == []
         usage = tree.build_info["usage"]["summarize"]
         assert usage["batches"] == summary_layers(tree) - 1
+
+
+def test_cli_build_with_batch(
+    tmp_path: Path, reference: Any, monkeypatch: Any, capsys: Any
+) -> None:
+    from raptor_core.cli import main
+    from raptor_core.tree import Tree
+
+    for i, text in enumerate(CORPUS):
+        (tmp_path / f"doc{i}.txt").write_text(text, encoding="utf-8")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-key")
+    with FakeOpenAIServer(batch_polls=1) as server:
+        args = [
+            "build", str(tmp_path), "--out", str(tmp_path / "tree"),
+            "--llm", "openai", "--llm-model", "fake-chat", "--llm-base-url", server.url,
+            "--embed-provider", "openai", "--openai-embed-model", "fake-embed",
+            "--chunk-tokens", "24", "--summary-tokens", "30",
+            "--batch", "--batch-poll-interval", "0.01", "--quiet",
+        ]  # fmt: skip
+        assert main(args) == 0
+        tree = Tree.load(tmp_path / "tree")
+        assert server.requests("chat") == []
+        assert len(server.batches) == summary_layers(tree) >= 1
+        assert tree.params["summarizer"]["class"].endswith(".OpenAIBatchSummarizer")
+    assert main(["build", str(tmp_path), "--out", str(tmp_path / "t2"), "--batch"]) == 2
+    assert "add --llm openai" in capsys.readouterr().err
