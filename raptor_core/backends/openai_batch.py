@@ -44,6 +44,7 @@ from raptor_core.exceptions import (
     LLMBatchError,
     LLMError,
     LLMRequestError,
+    LLMResponseError,
 )
 from raptor_core.types import DEFAULT_SUMMARY_PROMPT
 
@@ -211,6 +212,8 @@ class OpenAIBatchSummarizer(OpenAISummarizer):
         batch = self._wait(cache, key, client, batch)
         try:
             answers = self._collect(client, batch, len(bodies))
+        except LLMResponseError:
+            raise  # a garbled answer (a proxy?), not a verdict on the job: keep the record
         except LLMRequestError as exc:
             # The service deletes files after a while: a job finished long ago, resumed now,
             # may have lost its output.  Forget it, or every rerun would fail the same way.
@@ -240,6 +243,8 @@ class OpenAIBatchSummarizer(OpenAISummarizer):
             return None
         try:
             batch = self._retrieve(client, batch_id)
+        except LLMResponseError:
+            raise  # a garbled answer is no proof the job is gone: keep the record
         except LLMRequestError:
             # 404: the service no longer has it (or never had: another account); start over.
             logger.warning(

@@ -227,6 +227,18 @@ def test_results_lost_by_the_service_are_a_typed_error_then_a_new_job(tmp_path: 
         assert len(server.batches) == 2
 
 
+def test_a_recorded_job_the_service_does_not_know_is_replaced(tmp_path: Path) -> None:
+    with FakeOpenAIServer() as server, BuildCache(tmp_path) as cache:
+        summarizer = batch_summarizer(server.url)
+        bodies = [summarizer.llm._request(summarizer.render(c), 20) for c in CLUSTERS]
+        key = cache.job_key(f"openai-batch {summarizer.llm.endpoint}", bodies)
+        cache.put_job(key, {"batch_id": "batch_from_another_account"})
+        summaries = summarizer.summarize_batch(CLUSTERS, max_tokens=20, cache=cache)
+        assert summaries == [fake_completion(summarizer.render(c), 20) for c in CLUSTERS]
+        assert len(server.batches) == 1
+        assert cache.get_job(key) is None
+
+
 def test_job_records_are_checked_like_cache_entries(tmp_path: Path) -> None:
     with BuildCache(tmp_path) as cache:
         key = cache.job_key("ns", [{"a": 1}])
