@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 BATCH_ENDPOINT = "/v1/chat/completions"
 _RUNNING = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
 _DEAD = frozenset({"failed", "expired", "cancelled"})
+_BATCH_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
 
 
 def _namespace(value: Any) -> Any:
@@ -239,7 +241,13 @@ class OpenAIBatchSummarizer(OpenAISummarizer):
         """The job recorded under ``key``, if the service still knows it."""
         record = cache.get_job(key)
         batch_id = record.get("batch_id") if record else None
-        if not isinstance(batch_id, str) or not batch_id:
+        if record is None:
+            return None
+        if not isinstance(batch_id, str) or not _BATCH_ID.fullmatch(batch_id):
+            # The cache file is data: an id goes into a request path only if it looks like
+            # one the service gives out (no "/", "?", "..").
+            logger.warning("%s: ignoring a malformed batch record %r", self.llm._where(), batch_id)
+            cache.delete_job(key)
             return None
         try:
             batch = self._retrieve(client, batch_id)

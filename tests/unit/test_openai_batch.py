@@ -238,6 +238,13 @@ def test_a_recorded_job_the_service_does_not_know_is_replaced(tmp_path: Path) ->
         assert len(server.batches) == 1
         assert cache.get_job(key) is None
 
+        # An id that is not one (a path, a query) never reaches a URL: a new job instead.
+        server.reset()
+        cache.put_job(key, {"batch_id": "../files/file-1/content"})
+        summarizer.summarize_batch(CLUSTERS, max_tokens=20, cache=cache)
+        assert len(server.batches) == 2
+        assert not any(r.key.endswith("/files/file-1/content") for r in server.requests())
+
 
 def test_job_records_are_checked_like_cache_entries(tmp_path: Path) -> None:
     with BuildCache(tmp_path) as cache:
