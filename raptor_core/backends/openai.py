@@ -91,6 +91,9 @@ class Usage:
             (billed tokens, including those of answers that were retried).
         retries: requests that failed and were retried.
         truncated: completions cut at ``max_tokens`` that were kept.
+        paced: requests held back by rate-limit pacing (appears after the first).
+        batches, batch_requests, batch_fallbacks: Batch API jobs submitted, the requests in
+            them, and those answered per call instead (``OpenAIBatchSummarizer`` only).
 
     The builder snapshots ``usage`` before and after each layer to report per-layer cost.
     """
