@@ -243,8 +243,8 @@ class _Window:
             self.reset_at = max(self.reset_at, reset_at)
         # else: a late answer about a window that has already ended
 
-    def wait(self, now: float, need: float) -> float:
-        """Seconds until ``need`` fits (0: now)."""
+    def wait(self, now: float, need: float, in_flight: int) -> float:
+        """Seconds until ``need`` fits (0: now); ``in_flight``: requests not yet answered."""
         if self.remaining is None:
             return 0.0
         if self.limit is not None:
@@ -253,7 +253,9 @@ class _Window:
             return 0.0
         if self.reset_at is not None and not self.refilled and self.reset_at > now:
             return self.reset_at - now
-        return _PACE_POLL
+        # The window has reset since the last news: wait for the answers in flight to bring
+        # more, or, with none left to come (they failed without headers), go and find out.
+        return _PACE_POLL if in_flight else 0.0
 
 
 class _RatePacer:
@@ -313,8 +315,8 @@ class _RatePacer:
             self._requests.refill(now, self._in_flight)
             self._tokens.refill(now, self._in_flight_tokens)
             wait = max(
-                self._requests.wait(now, 1),
-                self._tokens.wait(now, tokens),
+                self._requests.wait(now, 1, self._in_flight),
+                self._tokens.wait(now, tokens, self._in_flight),
                 self._cap_wait(now, tokens, rpm, tpm),
             )
             if wait > 0:

@@ -117,6 +117,19 @@ def test_a_late_answer_about_an_ended_window_is_ignored() -> None:
     assert pacer.reserve(1) == 0.0
 
 
+def test_requests_that_failed_without_headers_do_not_block_the_next_window() -> None:
+    clock = FakeClock()
+    pacer = _RatePacer(clock=clock)
+    pacer.reserve(1)
+    pacer.observe(headers(0, "1s", limit=2), 1)
+    pacer.done(1)
+    clock.now += 1.0
+    assert [pacer.reserve(1) for _ in range(3)] == [0.0, 0.0, pytest.approx(0.05)]
+    pacer.done(1)  # both fail without an answer (a dropped connection): no headers
+    pacer.done(1)
+    assert pacer.reserve(1) == 0.0  # nothing in flight can bring news: go and find out
+
+
 def test_tokens_are_paced_like_requests() -> None:
     clock = FakeClock()
     pacer = _RatePacer(clock=clock)
