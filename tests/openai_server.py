@@ -284,6 +284,8 @@ class FakeOpenAIServer:
             SIGKILL a client at a chosen request).
         batch_polls: retrievals a batch answers ``in_progress`` before it ends.
         batch_outcome: how batches end: ``"completed"``, ``"failed"``, ``"expired"``.
+        batch_partial: lines an expired or cancelled batch answered before it ended (its
+            output file holds them, as OpenAI's does).
         rate_limit: the rate-limit mode's windows (None: no headers, no limits).
         completion: ``completion(prompt, max_tokens) -> str`` writes the chat answers
             (:func:`fake_completion` by default; tests of LLM-guided search script JSON).
@@ -304,11 +306,13 @@ class FakeOpenAIServer:
         completion: Callable[[str, int | None], str] = fake_completion,
         batch_polls: int = 0,
         batch_outcome: str = "completed",
+        batch_partial: int = 0,
         rate_limit: RateLimit | None = None,
     ) -> None:
         self.completion = completion
         self.batch_polls = batch_polls
         self.batch_outcome = batch_outcome
+        self.batch_partial = batch_partial
         self.rate_limit = rate_limit
         self.rate_limited = 0  # requests answered 429 by the rate-limit mode
         self.batches: dict[str, dict[str, Any]] = {}
@@ -683,7 +687,7 @@ class FakeOpenAIServer:
             if batch is None:
                 return 404, self._error(404, f"no batch {batch_id}", "invalid_request_error")
             if batch["status"] == "in_progress":
-                batch["status"] = "cancelled"
+                self._run_batch(batch, limit=self.batch_partial, status="cancelled")
             return 200, dict(batch)
 
     def _retrieve_batch(self, batch_id: str) -> tuple[int, dict[str, Any]]:
@@ -705,16 +709,18 @@ class FakeOpenAIServer:
                     "data": [{"code": "invalid_model", "message": "injected failure", "line": 1}],
                 }
             elif self.batch_outcome == "expired":
-                batch["status"] = "expired"
+                self._run_batch(batch, limit=self.batch_partial, status="expired")
             else:
                 self._run_batch(batch)
             return 200, dict(batch)
 
-    def _run_batch(self, batch: dict[str, Any]) -> None:
-        """Answer every line with the chat handler (called with the lock held)."""
-        lines = self.files[batch["input_file_id"]].decode("utf-8").splitlines()
+    def _run_batch(
+        self, batch: dict[str, Any], *, limit: int | None = None, status: str = "completed"
+    ) -> None:
+        """Answer the lines (the first ``limit``) with the chat handler (lock held)."""
+        lines = list(filter(str.strip, self.files[batch["input_file_id"]].decode().splitlines()))
         out, errors = [], []
-        for line in filter(str.strip, lines):
+        for line in lines[:limit]:
             item = json.loads(line)
             custom_id = item["custom_id"]
             fault = self.faults("batch", custom_id, 0) if self.faults is not None else None
@@ -737,9 +743,9 @@ class FakeOpenAIServer:
                 file_id = f"file-{next(self._ids)}"
                 self.files[file_id] = "".join(json.dumps(r) + "\n" for r in rows).encode()
                 batch[name] = file_id
-        batch["status"] = "completed"
+        batch["status"] = status
         batch["request_counts"] = {
-            "total": len(out) + len(errors),
+            "total": len(lines),
             "completed": len(out),
             "failed": len(errors),
         }

@@ -20,7 +20,9 @@ A build killed while it waits, and run again with the same cache, finds the reco
 waits for that job: nothing is submitted or paid for twice.  Running out of ``batch_timeout``
 raises :class:`~raptor_core.exceptions.LLMBatchError` and keeps the record, so a later run
 picks the job up.  A job that failed, expired or was cancelled raises ``LLMBatchError`` and
-its record is dropped, so the next run submits a new one.
+its record is dropped, so the next run submits a new one; what an expired or cancelled job
+did answer (and was billed for) is kept in the build cache, and only the rest is submitted
+again.
 """
 
 from __future__ import annotations
@@ -203,7 +205,43 @@ class OpenAIBatchSummarizer(OpenAISummarizer):
         self._validate_batch()
         if not clusters:
             return []
-        bodies = [self.llm._request(self.render(texts), max_tokens) for texts in clusters]
+        all_bodies = [self.llm._request(self.render(texts), max_tokens) for texts in clusters]
+        # Answers an expired or cancelled job did deliver (kept by an earlier run).
+        kept = self._kept_answers(cache, all_bodies)
+        pending = [i for i in range(len(all_bodies)) if i not in kept]
+        answers: dict[int, str] = {}
+        if pending:
+            answers = self._run_job(cache, [all_bodies[i] for i in pending])
+        by_cluster = {**kept, **{pending[j]: text for j, text in answers.items()}}
+        for body in (all_bodies[i] for i in kept):
+            cache.delete_job(self._answer_key(body))  # the summary cache has them from here
+        out: list[str] = []
+        for i, texts in enumerate(clusters):
+            answer = by_cluster.get(i)
+            if answer is None:
+                # Rare (an error line, a cut or empty answer): the normal per-call path, with
+                # its retries and its typed errors, at the normal price.
+                self.usage.add(batch_fallbacks=1)
+                answer = self.summarize(texts, max_tokens=max_tokens)
+            out.append(self._check(answer))
+        return out
+
+    def _answer_key(self, body: Mapping[str, Any]) -> str:
+        from raptor_core.build.cache import BuildCache
+
+        return BuildCache.job_key(f"openai-batch-answer {self.llm.endpoint}", [body])
+
+    def _kept_answers(self, cache: BuildCache, bodies: list[dict[str, Any]]) -> dict[int, str]:
+        kept: dict[int, str] = {}
+        for i, body in enumerate(bodies):
+            record = cache.get_job(self._answer_key(body))
+            summary = record.get("summary") if record else None
+            if isinstance(summary, str) and summary.strip():
+                kept[i] = summary
+        return kept
+
+    def _run_job(self, cache: BuildCache, bodies: list[dict[str, Any]]) -> dict[int, str]:
+        """The usable answers, by index into ``bodies``, of the job made of ``bodies``."""
         # The job is the exact list of requests at this server: another list (a prompt, a
         # model or a cluster changed) is another job.
         key = cache.job_key(f"openai-batch {self.llm.endpoint}", bodies)
@@ -211,7 +249,14 @@ class OpenAIBatchSummarizer(OpenAISummarizer):
         batch = self._resume(cache, key, client)
         if batch is None:
             batch = self._submit(cache, key, client, bodies)
-        batch = self._wait(cache, key, client, batch)
+        batch = self._wait(client, batch)
+        status = str(batch.status)
+        if status in _DEAD:
+            cache.delete_job(key)
+            saved = 0
+            if status != "failed":
+                saved = self._keep_partial(cache, client, batch, bodies)
+            raise self._dead(batch, status, saved)
         try:
             answers = self._collect(client, batch, len(bodies))
         except LLMResponseError:
@@ -226,16 +271,25 @@ class OpenAIBatchSummarizer(OpenAISummarizer):
             )
             raise LLMBatchError(msg, batch_id=str(batch.id), status="completed") from exc
         cache.delete_job(key)
-        out: list[str] = []
-        for i, texts in enumerate(clusters):
-            answer = answers.get(i)
-            if answer is None:
-                # Rare (an error line, a cut or empty answer): the normal per-call path, with
-                # its retries and its typed errors, at the normal price.
-                self.usage.add(batch_fallbacks=1)
-                answer = self.summarize(texts, max_tokens=max_tokens)
-            out.append(self._check(answer))
-        return out
+        return answers
+
+    def _keep_partial(
+        self, cache: BuildCache, client: Any, batch: Any, bodies: list[dict[str, Any]]
+    ) -> int:
+        """Store what an expired or cancelled job did answer (paid for): a rerun reuses it."""
+        try:
+            answers = self._collect(client, batch, len(bodies))
+        except LLMError:
+            logger.warning(
+                "%s: could not read the partial results of batch %s",
+                self.llm._where(),
+                batch.id,
+                exc_info=True,
+            )
+            return 0
+        for index, summary in answers.items():
+            cache.put_job(self._answer_key(bodies[index]), {"summary": summary})
+        return len(answers)
 
     def _resume(self, cache: BuildCache, key: str, client: Any) -> Any:
         """The job recorded under ``key``, if the service still knows it."""
@@ -304,15 +358,13 @@ class OpenAIBatchSummarizer(OpenAISummarizer):
         )
         return batch
 
-    def _wait(self, cache: BuildCache, key: str, client: Any, batch: Any) -> Any:
+    def _wait(self, client: Any, batch: Any) -> Any:
+        """The job once it has ended (completed, failed, expired or cancelled)."""
         deadline = time.monotonic() + float(self.batch_timeout)
         while True:
             status = str(getattr(batch, "status", ""))
-            if status == "completed":
+            if status == "completed" or status in _DEAD:
                 return batch
-            if status in _DEAD:
-                cache.delete_job(key)
-                raise self._dead(batch, status)
             if status not in _RUNNING:
                 msg = f"{self.llm._where()}: batch {batch.id} has an unknown status {status!r}"
                 raise LLMBatchError(msg, batch_id=str(batch.id), status=status)
@@ -331,12 +383,17 @@ class OpenAIBatchSummarizer(OpenAISummarizer):
     def _retrieve(self, client: Any, batch_id: str) -> Any:
         return self.llm._call(lambda: client.batches.retrieve(batch_id))
 
-    def _dead(self, batch: Any, status: str) -> LLMBatchError:
+    def _dead(self, batch: Any, status: str, saved: int) -> LLMBatchError:
         where, batch_id = self.llm._where(), str(batch.id)
         counts = getattr(batch, "request_counts", None)
         done = getattr(counts, "completed", None)
         total = getattr(counts, "total", None)
         progress = f" ({done} of {total} requests done)" if done is not None and total else ""
+        if saved:
+            progress += (
+                f"; its {saved} answers are kept in the build cache, so only the others are "
+                "submitted again"
+            )
         if status == "failed":
             errors = getattr(getattr(batch, "errors", None), "data", None) or []
             said = "; ".join(str(getattr(e, "message", e)) for e in errors[:3])

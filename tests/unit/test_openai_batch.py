@@ -187,6 +187,41 @@ def test_dead_batch_raises_and_is_forgotten(tmp_path: Path, outcome: str) -> Non
         assert len(server.batches) == 2  # the dead one was not waited for again
 
 
+@pytest.mark.parametrize("outcome", ["expired", "cancelled"])
+def test_answers_of_an_ended_batch_are_kept_and_not_bought_again(
+    tmp_path: Path, outcome: str
+) -> None:
+    openai = pytest.importorskip("openai")
+    clusters = [*CLUSTERS, ["Rivers flow."], ["Trains run late."]]
+    polls = 10**6 if outcome == "cancelled" else 0
+    with (
+        FakeOpenAIServer(batch_outcome=outcome, batch_partial=2, batch_polls=polls) as server,
+        BuildCache(tmp_path) as cache,
+    ):
+        summarizer = batch_summarizer(server.url)
+        if outcome == "cancelled":
+            with pytest.raises(LLMBatchError, match="still in_progress"):
+                batch_summarizer(server.url, batch_timeout=0.05).summarize_batch(
+                    clusters, max_tokens=20, cache=cache
+                )
+            client = openai.OpenAI(base_url=server.url, api_key="sk-test-key")
+            client.batches.cancel(next(iter(server.batches)))
+        with pytest.raises(LLMBatchError, match="2 answers are kept") as info:
+            summarizer.summarize_batch(clusters, max_tokens=20, cache=cache)
+        assert info.value.status == outcome
+        (first,) = server.batches
+
+        server.batch_outcome, server.batch_polls = "completed", 0
+        summaries = summarizer.summarize_batch(clusters, max_tokens=20, cache=cache)
+        assert summaries == [fake_completion(summarizer.render(c), 20) for c in clusters]
+        second = server.batches[next(b for b in server.batches if b != first)]
+        # Only the three requests the ended job had not answered were submitted again.
+        assert len(server.files[second["input_file_id"]].splitlines()) == 3
+        assert server.requests("chat") == []
+        with cache._session() as db:  # the kept answers are dropped once used
+            assert db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0] == 0
+
+
 def test_cancelled_batch_raises_then_a_rerun_submits_anew(tmp_path: Path) -> None:
     openai = pytest.importorskip("openai")
     with FakeOpenAIServer(batch_polls=10**6) as server, BuildCache(tmp_path) as cache:
