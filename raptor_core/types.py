@@ -22,6 +22,7 @@ __all__ = [
     "AsyncEmbedder",
     "AsyncLLM",
     "AsyncSummarizer",
+    "BatchSummarizer",
     "Chunk",
     "Chunker",
     "Clusterer",
@@ -130,6 +131,20 @@ class AsyncSummarizer(Protocol):
     """Optional async twin of :class:`Summarizer`."""
 
     async def asummarize(self, texts: Sequence[str], *, max_tokens: int) -> str: ...
+
+
+@runtime_checkable
+class BatchSummarizer(Protocol):
+    """Optional seam: summarise many clusters in one go (one entry per cluster, in order).
+
+    When the summariser has it, the builder hands it every cluster of a layer at once
+    (after the build cache has answered what it could), instead of one call per cluster: an
+    extractive summariser embeds all sentences in one call, a batch API submits one job.
+    """
+
+    def summarize_batch(
+        self, clusters: Sequence[Sequence[str]], *, max_tokens: int
+    ) -> list[str]: ...
 
 
 @runtime_checkable
