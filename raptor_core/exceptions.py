@@ -16,6 +16,7 @@ The hierarchy::
         ├── SummarizationError                    the summariser failed or returned nothing usable
         └── LLMError                              a chat/completion model failed or returned garbage
             ├── LLMTimeoutError                   it did not answer in time, even after retries
+            ├── LLMBatchError                     a batch job failed, expired, was cancelled or is still running
             └── LLMAuthenticationError            credentials or request rejected: retrying cannot help
                 └── LLMRequestError               the request itself: unknown model, bad parameter
                     └── LLMResponseError          the service kept answering 200 with an invalid body
@@ -36,6 +37,7 @@ __all__ = [
     "InvalidInputError",
     "InvalidParameterError",
     "LLMAuthenticationError",
+    "LLMBatchError",
     "LLMError",
     "LLMRequestError",
     "LLMResponseError",
@@ -143,6 +145,24 @@ class LLMError(BackendError):
 
 class LLMTimeoutError(LLMError):
     """A model call timed out, after all retries."""
+
+
+class LLMBatchError(LLMError):
+    """A batch job (OpenAI Batch API) failed, expired or was cancelled, or outlived the wait.
+
+    The message says what to do: a job that is still running is picked up again by a rerun
+    with the same build cache; a failed one is forgotten, so a rerun submits a new one.
+
+    Attributes:
+        batch_id: the service's id of the job.
+        status: its last known status (``"failed"``, ``"expired"``, ``"cancelled"``, or the
+            status it was in when the wait ran out).
+    """
+
+    def __init__(self, message: str, *, batch_id: str = "", status: str = "") -> None:
+        super().__init__(message)
+        self.batch_id = batch_id
+        self.status = status
 
 
 class LLMAuthenticationError(LLMError):

@@ -414,6 +414,11 @@ class MeteredSummarizer:
         """The wrapped summariser's ``usage`` (None when it keeps none)."""
         return getattr(self.summarizer, "usage", None)
 
+    @property
+    def requires_cache(self) -> bool:
+        """The wrapped summariser's (a batch summariser records its jobs in the cache)."""
+        return bool(getattr(self.summarizer, "requires_cache", False))
+
     def summarize(self, texts: Sequence[str], *, max_tokens: int) -> str:
         """Summarise if the budget allows the call's worst case."""
         ticket = self.meter.reserve([texts], max_tokens)
@@ -457,12 +462,15 @@ class MeteredSummarizer:
             raise AttributeError(msg)
         return self._summarize_batch
 
-    def _summarize_batch(self, clusters: Sequence[Sequence[str]], *, max_tokens: int) -> list[str]:
-        # One request for many clusters cannot stop half way: reserve them all, or none.
+    def _summarize_batch(
+        self, clusters: Sequence[Sequence[str]], *, max_tokens: int, **kwargs: Any
+    ) -> list[str]:
+        # One job for many clusters cannot stop half way: reserve them all, or none.  (A job
+        # an earlier run submitted is reserved again although it is paid for: safe, not exact.)
         ticket = self.meter.reserve(clusters, max_tokens)
         try:
             batch = self.summarizer.summarize_batch  # type: ignore[attr-defined]
-            answers = list(batch(clusters, max_tokens=max_tokens))
+            answers = list(batch(clusters, max_tokens=max_tokens, **kwargs))
         except BaseException:
             self.meter.cancel(ticket)
             raise

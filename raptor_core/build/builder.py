@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 from raptor_core.types import (
     AsyncEmbedder,
     AsyncSummarizer,
+    BatchSummarizer,
     Chunker,
     Clusterer,
     Document,
@@ -539,6 +540,14 @@ class _BuildRun:
 
         pricing = resolve_pricing(builder.budget, self.raw_summarizer)  # before any work
         self.cache, self.owns_cache = _open_cache(builder.cache)
+        if self.cache is None and getattr(self.summarizer, "requires_cache", False):
+            # Checked before anything is paid for: without a cache a batch job submitted by a
+            # run that then dies could not be found again (it would be paid for twice).
+            msg = (
+                f"{type(self.summarizer).__name__} needs a build cache to record its pending "
+                "batch jobs: pass TreeBuilder(cache=DIRECTORY), and the same directory again to resume"
+            )
+            raise InvalidParameterError(msg)
         self.meter = Meter(
             builder.budget,
             pricing,
@@ -563,6 +572,11 @@ class _BuildRun:
                 self.summarizer = CachedSummarizer(
                     self.summarizer, self.cache, namespace=_identity_json(self.raw_summarizer)
                 )
+        tap = getattr(self.raw_summarizer, "sentence_vector_tap", None)
+        if callable(tap) and self.embedder is self.raw_embedder:
+            # The extractive summariser takes its sentence vectors from the forward passes
+            # that embed each layer, instead of embedding every sentence again.
+            self.embedder = tap(self.embedder)
         self.clock = StageClock()
         self.usage_seen: dict[str, dict[str, int]] = {}
         self.usage_delta()  # baseline: a reused component may have spent before this build
@@ -820,14 +834,10 @@ class _BuildRun:
         all_texts = self._cluster_texts()
         texts = [all_texts[i] for i in todo]
         limit = self.b.summary_max_tokens
-        batch = getattr(self.summarizer, "summarize_batch", None)
         results: list[object]
-        if callable(batch):
-            try:
-                results = list(batch(texts, max_tokens=limit))
-            except Exception as exc:
-                raise self._wrap(todo[0], exc) from exc
-            self._progress("summarize", len(texts), len(texts))
+        # Checked on the summariser itself: the cache wrapper only passes its seams through.
+        if isinstance(self.raw_summarizer, BatchSummarizer):
+            results = self._summarize_batch(texts, limit, todo)
         else:
             results = [None] * len(texts)
             # Set by the first failure or Ctrl-C: queued clusters then spend nothing (a bad key
@@ -867,6 +877,22 @@ class _BuildRun:
         checked = [self._checked_summary(i, s) for i, s in zip(todo, results, strict=True)]
         return [str(s) for s in self._with_carried(checked)]
 
+    def _summarize_batch(self, texts: list[list[str]], limit: int, todo: list[int]) -> list[object]:
+        """All of a layer's clusters in one ``summarize_batch`` call (see BatchSummarizer)."""
+        batch = self.summarizer.summarize_batch  # type: ignore[attr-defined]
+        try:
+            results = list(batch(texts, max_tokens=limit))
+        except Exception as exc:
+            raise self._wrap(todo[0], exc) from exc
+        if len(results) != len(texts):
+            msg = (
+                f"layer {self.layer + 1}: summarize_batch returned {len(results)} summaries "
+                f"for {len(texts)} clusters"
+            )
+            raise SummarizationError(msg)
+        self._progress("summarize", len(texts), len(texts))
+        return results
+
     async def summarize_async(self) -> list[str]:
         start = time.perf_counter()
         self.clock.begin("summarize")
@@ -874,6 +900,12 @@ class _BuildRun:
         all_texts = self._cluster_texts()
         texts = [all_texts[i] for i in todo]
         limit = self.b.summary_max_tokens
+        if isinstance(self.raw_summarizer, BatchSummarizer) and texts:
+            # A batch job may wait for hours: in a worker thread, the event loop runs on.
+            batched = await asyncio.to_thread(self._summarize_batch, texts, limit, todo)
+            self.timings["summarize"] += time.perf_counter() - start
+            checked = [self._checked_summary(i, s) for i, s in zip(todo, batched, strict=True)]
+            return [str(s) for s in self._with_carried(checked)]
         semaphore = asyncio.Semaphore(self.b.max_concurrency)
         done = 0
 

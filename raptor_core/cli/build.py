@@ -437,6 +437,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     llm.add_argument("--prompt-file", default=None, help="summary prompt template with {context}")
     llm.add_argument(
+        "--batch",
+        action="store_true",
+        help="--llm openai: summaries through the OpenAI Batch API (half price, answers within "
+        "hours; an interrupted build run again waits for the same jobs)",
+    )
+    llm.add_argument(
+        "--batch-poll-interval",
+        type=positive_float,
+        default=60.0,
+        help="--batch: seconds between status checks of a job (60)",
+    )
+    llm.add_argument(
         "--embed-provider",
         choices=["sentence-transformers", "openai"],
         default="sentence-transformers",

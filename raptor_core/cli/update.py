@@ -45,7 +45,10 @@ _FROM_TREE = (
 def _summarizer_default(tree: Any) -> tuple[str, str | None]:
     """``(llm, model)`` of the tree's summariser record: keep summarising the way it was."""
     record = tree.params.get("summarizer")
-    if isinstance(record, dict) and str(record.get("class", "")).endswith(".OpenAISummarizer"):
+    # A tree built through the Batch API is updated per call: the same requests, and an
+    # update is a few summaries, not worth hours of waiting.
+    openai_classes = (".OpenAISummarizer", ".OpenAIBatchSummarizer")
+    if isinstance(record, dict) and str(record.get("class", "")).endswith(openai_classes):
         model = record.get("model")
         return "openai", model if isinstance(model, str) else None
     return "extractive", None
