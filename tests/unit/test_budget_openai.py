@@ -105,3 +105,28 @@ def test_token_cap_through_the_client(tmp_path: Path) -> None:
         for record in server.successes("chat"):
             used += sum(len(str(m["content"]).split()) for m in record.body["messages"])
         assert used <= info.value.spent_tokens <= 200
+
+
+def test_a_batch_job_is_reserved_whole_and_resumes_under_a_higher_cap(tmp_path: Path) -> None:
+    from raptor_core.backends.openai_batch import OpenAIBatchSummarizer
+
+    def batch_builder(url: str, budget: LLMBudget) -> Any:
+        builder = openai_builder(url, cache=tmp_path, budget=budget)
+        builder.summarizer = OpenAIBatchSummarizer(
+            "fake-chat", base_url=url, api_key="sk-test-key", poll_interval=0.01, timeout=5.0
+        )
+        return builder
+
+    with FakeOpenAIServer() as server:
+        reference = openai_builder(server.url).build(CORPUS)
+        server.reset()
+        with pytest.raises(BudgetExceededError):
+            batch_builder(server.url, LLMBudget(max_summary_tokens=300)).build(CORPUS)
+        assert server.batches == {}  # the first layer's job did not fit: nothing was submitted
+        assert server.requests("chat") == []
+        tree = batch_builder(server.url, LLMBudget(max_summary_tokens=10**6)).build(CORPUS)
+        assert server.batches  # the cache reached the batch summariser through the meter
+        assert server.requests("chat") == []
+    assert tree_signature(tree) == tree_signature(reference)
+    summaries = [n for n in reference.nodes if n.layer > 0 and len(n.children) > 1]
+    assert tree.build_info["budget"]["spent"]["calls"] == len(summaries)
