@@ -263,12 +263,6 @@ class Meter:
         usd = self.pricing.cost(prompt, completion) if self.pricing is not None else None
         return Spend(calls=calls, prompt_tokens=prompt, completion_tokens=completion, usd=usd)
 
-    @property
-    def capped(self) -> bool:
-        """Whether the budget caps anything (else it only meters)."""
-        b = self.budget
-        return b is not None and (b.max_cost_usd is not None or b.max_summary_tokens is not None)
-
     # -- the check ------------------------------------------------------------------------------
     def reserve(
         self, clusters: Sequence[Sequence[str]], max_tokens: int, *, wait: bool = True
@@ -285,8 +279,7 @@ class Meter:
             len(clusters),
         )
         with self._cond:
-            over = self._stopped or self._over(ticket)
-            if not over:
+            if not (self._stopped or self._over(ticket)):
                 self._reserved_prompt += ticket.prompt
                 self._reserved_completion += ticket.completion
                 self._in_flight += 1
@@ -297,8 +290,9 @@ class Meter:
             if wait:
                 while self._in_flight:
                     self._cond.wait()
-                raise self.error(ticket)
-        raise _Refused(ticket)
+        if not wait:
+            raise _Refused(ticket)
+        raise self.error(ticket)
 
     def _over(self, ticket: _Ticket) -> bool:
         budget = self.budget
