@@ -102,6 +102,16 @@ def test_tapped_vectors_are_the_plain_embedders_vectors() -> None:
     np.testing.assert_allclose(tap.embed_documents(TOPICS), FakeEmbedder().embed_documents(TOPICS))
 
 
+def test_in_context_off_embeds_sentences_alone() -> None:
+    span = SpanFake()
+    summarizer = ExtractiveSummarizer(span, tokenizer=WhitespaceTokenizer(), in_context=False)
+    assert summarizer.sentence_vector_tap(span) is span
+    summary = summarizer.summarize(TOPICS[:2], max_tokens=10)
+    assert summary
+    assert span.span_calls == 0
+    assert span.texts_embedded == 6  # the six sentences, each alone
+
+
 def test_memo_forgets_another_models_vectors() -> None:
     first, second = SpanFake(), SpanFake(dim=32)
     summarizer = ExtractiveSummarizer(first, tokenizer=WhitespaceTokenizer())
