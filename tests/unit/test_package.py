@@ -32,6 +32,7 @@ EXPECTED_ALL = {
     "Embedder",
     "ExtractiveSummarizer",
     "FaissIndex",
+    "FileNodeStore",
     "GMMClusterer",
     "Hit",
     "HybridResult",
