@@ -273,7 +273,7 @@ def _read_once(directory: Path, *, mmap: bool, verify: bool) -> Tree:
         if not content_ok:
             msg = f"{tree_file} content does not match its checksum: the file was edited or damaged"
             raise TreeFormatError(msg)
-    nodes = tuple(node_from_json(node, i) for i, node in enumerate(document["nodes"]))
+    nodes = _nodes_from_json(document["nodes"])
     matrix_path = directory / meta.file
     try:
         emb = _read_matrix(matrix_path, meta, mmap=mmap, verify=verify)
@@ -541,6 +541,44 @@ def check_header(document: dict[str, Any], path: Path) -> MatrixMeta:
     return MatrixMeta(file, n, dim, sha)
 
 
+def _nodes_from_json(entries: list[Any]) -> tuple[Node, ...]:
+    """Build every node of ``tree.json`` once, with its parents already filled in.
+
+    ``Tree`` fills in missing parents by copying each node; computing them here from the
+    children lists (each child's parents in row order, as ``Tree`` derives them) saves that
+    second construction of every node.  ``Tree`` still checks them.
+    """
+    for i, entry in enumerate(entries):
+        if not _valid_node(entry):
+            _explain_node(entry, i)
+    row = {entry["id"]: i for i, entry in enumerate(entries)}
+    parents: dict[int, list[str]] = {}
+    for entry in entries:
+        for child in entry["children"]:
+            found = row.get(child)
+            if found is not None:  # an unknown child is reported by Tree
+                parents.setdefault(found, []).append(entry["id"])
+    return tuple(
+        _node(entry, tuple(parents[i]) if i in parents else ()) for i, entry in enumerate(entries)
+    )
+
+
+def _node(data: dict[str, Any], parents: tuple[str, ...]) -> Node:
+    span = data["span"]
+    return Node(
+        id=data["id"],
+        text=data["text"],
+        layer=data["layer"],
+        token_count=data["token_count"],
+        children=tuple(data["children"]),
+        doc_id=data["doc_id"],
+        span=None if span is None else (span[0], span[1]),
+        doc_ids=tuple(data["doc_ids"]),
+        metadata=data["metadata"],
+        parents=parents,
+    )
+
+
 def node_from_json(data: Any, index: int | None = None) -> Node:
     """Build a :class:`Node` from its ``tree.json`` entry, checking every field.
 
@@ -553,18 +591,7 @@ def node_from_json(data: Any, index: int | None = None) -> Node:
     """
     if not _valid_node(data):
         _explain_node(data, index)
-    span = data["span"]
-    return Node(
-        id=data["id"],
-        text=data["text"],
-        layer=data["layer"],
-        token_count=data["token_count"],
-        children=tuple(data["children"]),
-        doc_id=data["doc_id"],
-        span=None if span is None else (span[0], span[1]),
-        doc_ids=tuple(data["doc_ids"]),
-        metadata=data["metadata"],
-    )
+    return _node(data, ())
 
 
 def _valid_node(data: Any) -> bool:
