@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import mmap as mmap_module
+import os
 import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,6 +31,7 @@ from numpy.typing import NDArray
 
 from raptor_core._threads import matvec
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
+from raptor_core.store._format import TREE_FILE
 from raptor_core.store._index import (
     Columns,
     IndexFile,
@@ -46,6 +48,7 @@ __all__ = ["FileNodeStore", "TreeIndexWarning"]
 
 # Parsed nodes kept for repeated hits (a few megabytes at most).
 _NODE_CACHE = 4096
+_TREE_JSON = Path(TREE_FILE)
 
 
 class TreeIndexWarning(UserWarning):
@@ -102,11 +105,13 @@ class FileNodeStore:
         self._nodes: dict[int, Node] = {}
         self._lock = threading.Lock()
         if index is None:
-            self._json_ok = np.ones(0, dtype=np.bool_)
+            self._json_ok = bytearray()
             self._rows_ok = np.ones(1, dtype=np.bool_)
             self._block_rows = max(1, self._n)
         else:
-            self._json_ok = np.zeros(index.json_sha.shape[0], dtype=np.bool_)
+            # A bytearray, not numpy: one node's blocks are checked per call, and slicing
+            # a bytearray costs a tenth of a numpy reduction.
+            self._json_ok = bytearray(index.json_sha.shape[0])
             self._rows_ok = np.zeros(index.matrix_sha.shape[0], dtype=np.bool_)
             self._block_rows = index.matrix_block_rows
 
@@ -208,65 +213,63 @@ class FileNodeStore:
         node = self._nodes.get(row)
         if node is None:
             node = self._parse(row)
-            with self._lock:
-                if len(self._nodes) >= _NODE_CACHE:
+            if len(self._nodes) >= _NODE_CACHE:
+                with self._lock:
                     self._nodes.clear()
-                self._nodes[row] = node
+            self._nodes[row] = node
         return node
 
     def _parse(self, row: int) -> Node:
-        from raptor_core.store._format import _parse_json, node_from_json
+        from raptor_core.store._format import _explain_node, _node, _parse_json, _valid_node
 
         index = self._index
         assert index is not None, "lazy stores only"
         start, end = int(index.rec_start[row]), int(index.rec_end[row])
         block = index.json_block_bytes
         first, last = start // block, (end - 1) // block
-        with self._lock:
-            self._tree_json.seek(first * block)
-            raw = self._tree_json.read((last + 1) * block - first * block)
-        if self.verify:
+        if self.verify and not all(self._json_ok[first : last + 1]):
+            raw = self._read(first * block, (last + 1) * block)
             for b in range(first, last + 1):
-                if not self._json_ok[b]:
-                    part = raw[(b - first) * block : (b - first + 1) * block]
-                    if hashlib.sha256(part).digest() != index.json_sha[b].tobytes():
-                        msg = (
-                            f"tree.json block {b} does not match the index's checksum: the "
-                            "file was damaged or edited; re-save the tree"
-                        )
-                        raise TreeFormatError(msg)
-                    self._json_ok[b] = True
-        where = Path("tree.json")
-        data = _parse_json(raw[start - first * block : end - first * block], where)
-        node = node_from_json(data, row)
+                part = raw[(b - first) * block : (b - first + 1) * block]
+                if hashlib.sha256(part).digest() != index.json_sha[b].tobytes():
+                    msg = (
+                        f"tree.json block {b} does not match the index's checksum: the "
+                        "file was damaged or edited; re-save the tree"
+                    )
+                    raise TreeFormatError(msg)
+                self._json_ok[b] = 1
+            line = raw[start - first * block : end - first * block]
+        else:
+            line = self._read(start, end)
+        data = _parse_json(line, _TREE_JSON)
+        if not _valid_node(data):
+            _explain_node(data, row)
         cols = self._cols
         lo, hi = int(cols.child_ptr[row]), int(cols.child_ptr[row + 1])
         doc = int(cols.doc[row])
+        ids = cols.ids
         agrees = (
-            node.id == cols.ids[row]
-            and node.layer == int(cols.layer[row])
-            and node.token_count == int(cols.tokens[row])
-            and node.children == tuple(cols.ids[int(c)] for c in cols.child_rows[lo:hi])
-            and node.doc_id == (None if doc < 0 else cols.docs[doc])
-            and dict(node.metadata) == cols.metas[int(cols.meta[row])]
+            data["id"] == ids[row]
+            and data["layer"] == int(cols.layer[row])
+            and data["token_count"] == int(cols.tokens[row])
+            and data["children"] == [ids[c] for c in cols.child_rows[lo:hi].tolist()]
+            and data["doc_id"] == (None if doc < 0 else cols.docs[doc])
+            and data["metadata"] == cols.metas[int(cols.meta[row])]
         )
         if not agrees:
             msg = f"node {row} of tree.json disagrees with the node index; re-save the tree"
             raise TreeFormatError(msg)
         p_lo, p_hi = int(self._parent_ptr[row]), int(self._parent_ptr[row + 1])
-        parents = tuple(cols.ids[int(p)] for p in self._parent_rows[p_lo:p_hi])
-        return Node(
-            id=node.id,
-            text=node.text,
-            layer=node.layer,
-            token_count=node.token_count,
-            children=node.children,
-            doc_id=node.doc_id,
-            span=node.span,
-            doc_ids=node.doc_ids,
-            metadata=node.metadata,
-            parents=parents,
-        )
+        return _node(data, tuple(ids[p] for p in self._parent_rows[p_lo:p_hi].tolist()))
+
+    def _read(self, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` of the open ``tree.json`` (fewer at its end)."""
+        fileno = self._tree_json.fileno()
+        if hasattr(os, "pread"):
+            return os.pread(fileno, end - start, start)
+        with self._lock:  # pragma: no cover - platforms without pread
+            self._tree_json.seek(start)
+            return bytes(self._tree_json.read(end - start))
 
     def _check_rows(self, rows: NDArray[np.intp] | None) -> None:
         """Check the matrix blocks holding ``rows`` (None: all) on their first use."""

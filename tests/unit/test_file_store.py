@@ -115,13 +115,13 @@ def test_opening_parses_no_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     tree = random_tree(500, dim=16)
     path = tree.save(tmp_path / "t")
     parsed: list[int] = []
-    original = _format.node_from_json
+    original = _format._node
 
-    def counting(data: Any, index: int | None = None) -> Any:
+    def counting(data: Any, parents: Any) -> Any:
         parsed.append(1)
-        return original(data, index)
+        return original(data, parents)
 
-    monkeypatch.setattr(_format, "node_from_json", counting)
+    monkeypatch.setattr(_format, "_node", counting)
     store = FileNodeStore.open(path)
     assert parsed == [] and len(store) == len(tree) and store.top_layer == tree.top_layer
     q = tree.embeddings[7]
