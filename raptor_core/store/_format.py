@@ -9,6 +9,8 @@ A saved tree is a directory::
                               params, build_info and the nodes
     embeddings-<hex16>.npy    the (n, d) matrix: little-endian float32, C order, .npy 1.0
                               (2.0 is read too); <hex16> = first 16 hex digits of its SHA-256
+    tree.idx                  the node index a lazy open reads (raptor_core.store._index);
+                              never read by a load, which needs tree.json alone
     .raptor.lock              the save lock (empty; left in place, as lock files must be)
     .raptor-cache/            optional: the build cache of ``raptor build --out``
     raptor_llamaindex.json    optional: retrieval parameters written by the LlamaIndex adapter
