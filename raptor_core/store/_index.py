@@ -160,7 +160,8 @@ def columns_from_tree(tree: Tree) -> Columns:
     meta = np.empty(n, dtype=np.int32)
     for i, node in enumerate(tree.nodes):
         doc[i] = -1 if node.doc_id is None else docs.setdefault(node.doc_id, len(docs))
-        key = json.dumps(dict(node.metadata), sort_keys=True, ensure_ascii=False)
+        # Not sort_keys: metadata may mix int and str keys (JSON makes them all strings).
+        key = json.dumps(dict(node.metadata), ensure_ascii=False, default=str)
         found = metas.get(key)
         if found is None:
             found = metas[key] = len(meta_values)

@@ -228,9 +228,12 @@ class FileNodeStore:
         block = index.json_block_bytes
         first, last = start // block, (end - 1) // block
         if self.verify and not all(self._json_ok[first : last + 1]):
-            raw = self._read(first * block, (last + 1) * block)
+            # Block by block, each checked before the next is read: a long line in a sparse
+            # or damaged file fails at its first bad block instead of filling memory.
+            parts = []
             for b in range(first, last + 1):
-                part = raw[(b - first) * block : (b - first + 1) * block]
+                part = self._read(b * block, (b + 1) * block)
+                parts.append(part)
                 if hashlib.sha256(part).digest() != index.json_sha[b].tobytes():
                     msg = (
                         f"tree.json block {b} does not match the index's checksum: the "
@@ -238,7 +241,7 @@ class FileNodeStore:
                     )
                     raise TreeFormatError(msg)
                 self._json_ok[b] = 1
-            line = raw[start - first * block : end - first * block]
+            line = b"".join(parts)[start - first * block : end - first * block]
         else:
             line = self._read(start, end)
         data = _parse_json(line, _TREE_JSON)
@@ -456,6 +459,6 @@ def fall_back(path: Path, reason: str, *, verify: bool) -> FileNodeStore:
         f"{path}: {reason}, so all of tree.json was read; re-save the tree with this version "
         "(Tree.load(path).save(path)) to open it without reading every node",
         TreeIndexWarning,
-        stacklevel=4,
+        stacklevel=5,  # fall_back, _open_once, open_tree_lazily, FileNodeStore.open, the caller
     )
     return FileNodeStore.from_tree(Tree.load(path, mmap=True, verify=verify))

@@ -364,3 +364,39 @@ def test_forged_header_sizes_fail_fast(saved: tuple[Path, Tree], tmp_path: Path)
         (path / "tree.idx").write_bytes(forged)
         with pytest.raises(TreeFormatError, match="count does not fit"):
             FileNodeStore.open(path)
+
+
+def test_the_fallback_warning_points_at_the_caller(tmp_path: Path) -> None:
+    path = store_tree().save(tmp_path / "t")
+    (path / "tree.idx").unlink()
+    with pytest.warns(TreeIndexWarning) as caught:
+        FileNodeStore.open(path)
+    assert caught[0].filename == __file__
+
+
+def test_metadata_with_int_keys_and_tuples_round_trips(tmp_path: Path) -> None:
+    tree = random_tree(30, dim=8)
+    odd = {1: "one", "span": (1, 2), "nested": {"a": [1, (2, 3)]}}
+    nodes = tuple(_with_meta(n, odd) if n.layer == 0 else n for n in tree.nodes)
+    path = Tree(nodes=nodes, embeddings=tree.embeddings).save(tmp_path / "t")
+    store = FileNodeStore.open(path)
+    loaded = Tree.load(path)
+    assert list(store) == list(loaded.nodes)
+    found = store.search(tree.embeddings[0], 5, where=NodeFilter(where={"1": "one"}))
+    assert len(found) == 5 and all(m.node.layer == 0 for m in found)
+
+
+def test_threads_searching_at_once_agree(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    tree = random_tree(600, dim=16, random_state=9)
+    store = FileNodeStore.open(tree.save(tmp_path / "t"))
+    memory = InMemoryNodeStore.from_tree(tree)
+    queries = tree.embeddings[::7]
+
+    def search(q: np.ndarray) -> list[tuple[str, float]]:
+        return [(m.node.id, m.score) for m in store.search(q, 12)]
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(search, queries))
+    assert got == [[(m.node.id, m.score) for m in memory.search(q, 12)] for q in queries]
