@@ -97,7 +97,10 @@ class FileNodeStore:
         self._tree_json = tree_json
         self._tree = tree
         self._n = len(columns.ids)
-        self._parent_ptr, self._parent_rows = parent_index(columns)
+        if index is None:
+            self._parent_ptr, self._parent_rows = parent_index(columns)
+        else:  # computed while the index was checked
+            self._parent_ptr, self._parent_rows = index.parent_ptr, index.parent_rows
         counts = np.diff(columns.child_ptr)
         self._carried = (counts == 1) & meta_flags(columns.metas)[columns.meta]
         self._row: dict[str, int] | None = None

@@ -294,6 +294,10 @@ def _set(name: str, position: int, value: int) -> Callable[[dict[str, np.ndarray
     return mutate
 
 
+def _copy_first_child(columns: dict[str, np.ndarray]) -> None:
+    columns["child_rows"][1] = columns["child_rows"][0]  # the first summary's first two
+
+
 @pytest.mark.parametrize(
     ("mutate", "problem"),
     [
@@ -305,6 +309,7 @@ def _set(name: str, position: int, value: int) -> Callable[[dict[str, np.ndarray
         (_set("child_rows", 0, 10**9), "child row"),
         (_set("child_rows", 0, -3), "child row"),
         (_set("child_ptr", 5, 10**12), "CSR"),
+        (_copy_first_child, "more than once"),
         (_set("rec_start", 0, 0), "byte range"),
         (_set("rec_end", 4, 2**40), "byte range"),
     ],
