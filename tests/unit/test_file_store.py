@@ -405,3 +405,28 @@ def test_threads_searching_at_once_agree(tmp_path: Path) -> None:
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(search, queries))
     assert got == [[(m.node.id, m.score) for m in memory.search(q, 12)] for q in queries]
+
+
+@pytest.mark.parametrize("target", ["tree.json", "matrix"])
+def test_byte_flips_in_tree_json_and_matrix(
+    saved: tuple[Path, Tree], tmp_path: Path, target: str
+) -> None:
+    """Every flipped byte is refused (at open or at first use), or changes no answer."""
+    path = _copy(saved, tmp_path)
+    file = path / "tree.json" if target == "tree.json" else next(path.glob("embeddings-*.npy"))
+    original = file.read_bytes()
+    rng = np.random.default_rng(1)
+    outcomes = {"error": 0, "same": 0}
+    for pos in sorted({*rng.integers(0, len(original), 60).tolist(), 0, len(original) - 1}):
+        damaged = bytearray(original)
+        damaged[pos] ^= 1 << int(rng.integers(0, 8))
+        file.write_bytes(bytes(damaged))
+        try:
+            _exercise(path, saved[1])
+            outcomes["same"] += 1
+        except TreeFormatError:
+            outcomes["error"] += 1
+    file.write_bytes(original)
+    # Every block is used by _exercise (it lists every node and searches the whole matrix),
+    # so every flip is caught by a checksum.
+    assert outcomes == {"error": outcomes["error"], "same": 0}, outcomes
