@@ -64,6 +64,7 @@ class FileNodeStore:
 
     Examples:
         >>> import tempfile
+        >>> from raptor_core.store import InMemoryNodeStore
         >>> from raptor_core.testing import FakeEmbedder, tiny_tree
         >>> tree = tiny_tree()
         >>> path = tree.save(tempfile.mkdtemp())
