@@ -340,11 +340,12 @@ def _open_once(directory: Path, *, verify: bool) -> FileNodeStore:
             )
             return files.fall_back(directory, reason, verify=verify)
         meta = check_header(document, tree_file)
-        if (meta.n, meta.file, meta.sha256) != (
+        if (meta.n, meta.dim, meta.file, meta.sha256) != (
             len(index.columns.ids),
+            index.dim,
             index.matrix_file,
             index.matrix_sha256,
-        ) or (meta.n and meta.dim != index.dim):
+        ):
             msg = f"{directory / INDEX_FILE} does not describe the matrix {TREE_FILE} names"
             raise TreeFormatError(msg)
         _warn_version(document["raptor_core_version"], stacklevel=5)

@@ -362,12 +362,18 @@ def test_forged_header_sizes_fail_fast(saved: tuple[Path, Tree], tmp_path: Path)
         FileNodeStore.open(path)
     header_len = int.from_bytes(raw[8:16], "little")
     header = json.loads(raw[16 : 16 + header_len])
-    for key, value in (("num_nodes", 10**12), ("num_edges", 2**61)):
+    cases = [
+        ("num_nodes", 10**12, "count does not fit"),
+        ("num_edges", 2**61, "count does not fit"),
+        ("dim", 2**40, "does not describe the matrix"),
+        ("dim", 3, "does not describe the matrix"),
+    ]
+    for key, value, problem in cases:
         text = json.dumps({**header, key: value}).encode()
         text += b" " * (-(16 + len(text)) % 8)
         forged = raw[:8] + len(text).to_bytes(8, "little") + text + raw[16 + header_len :]
         (path / "tree.idx").write_bytes(forged)
-        with pytest.raises(TreeFormatError, match="count does not fit"):
+        with pytest.raises(TreeFormatError, match=problem):
             FileNodeStore.open(path)
 
 
