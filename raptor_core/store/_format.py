@@ -302,16 +302,31 @@ def open_tree_lazily(directory: Path, *, verify: bool = True) -> FileNodeStore:
     Raises:
         TreeFormatError: anything wrong with the directory or its files.
     """
+    # A save writes tree.idx, then tree.json: an open between the two sees a new index
+    # beside the old tree.json.  Try again, then under the save lock (which keeps saves
+    # out), before taking the index for stale (an older version re-saved the tree).
     for _ in range(3):
         try:
-            return _open_once(directory, verify=verify)
+            return _open_once(directory, verify=verify, stale_ok=False)
         except _TreeReplacedError:
             continue
-    msg = f"{directory}: the tree kept changing while it was opened (a save loop?); try again"
-    raise TreeFormatError(msg)
+    lock_path = directory / LOCK_FILE
+    if not lock_path.is_symlink() and lock_path.is_file():
+        from filelock import FileLock, Timeout
+
+        try:
+            with FileLock(lock_path, timeout=LOCK_TIMEOUT_S):
+                return _open_once(directory, verify=verify, stale_ok=True)
+        except (_TreeReplacedError, Timeout, OSError):
+            pass
+    try:
+        return _open_once(directory, verify=verify, stale_ok=True)
+    except _TreeReplacedError:
+        msg = f"{directory}: the tree kept changing while it was opened (a save loop?); try again"
+        raise TreeFormatError(msg) from None
 
 
-def _open_once(directory: Path, *, verify: bool) -> FileNodeStore:
+def _open_once(directory: Path, *, verify: bool, stale_ok: bool) -> FileNodeStore:
     from raptor_core.store import files
     from raptor_core.store._index import read_index
 
@@ -333,7 +348,7 @@ def _open_once(directory: Path, *, verify: bool) -> FileNodeStore:
         index, document = read_index(directory / INDEX_FILE, index_fd, tree_json, st.st_size)
         if index is None:
             tree_json.close()
-            if _changed(tree_file, st):
+            if _changed(tree_file, st) or not stale_ok:
                 raise _TreeReplacedError
             reason = (
                 f"its {INDEX_FILE} describes another {TREE_FILE} (re-saved by an older version?)"

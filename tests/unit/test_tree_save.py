@@ -511,3 +511,24 @@ def test_fifo_in_place_of_tree_json_does_not_hang(tmp_path: Path) -> None:
     with pytest.raises(InvalidParameterError):
         tiny_tree().save(tmp_path)
     assert stat.S_ISFIFO(os.lstat(tmp_path / "tree.json").st_mode)
+
+
+def test_lazy_opens_during_saves_see_a_whole_tree(tmp_path: Path) -> None:
+    """FileNodeStore.open racing saves gets the old tree or the new one, never a mix of an
+    index and a tree.json, and never mistakes the save in progress for a stale index."""
+    trees = (_tree(1), _tree(2))
+    trees[0].save(tmp_path)
+    saver = SPAWN.Process(target=_save_alternately, args=(str(tmp_path), 40))
+    saver.start()
+    opens = 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", TreeIndexWarning)
+            while saver.is_alive() or opens == 0:
+                store = FileNodeStore.open(tmp_path)
+                nodes = list(store)
+                assert any(nodes == list(tree.nodes) for tree in trees)
+                opens += 1
+    finally:
+        _stop([saver])
+    assert saver.exitcode == 0 and opens > 0
