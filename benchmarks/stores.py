@@ -109,6 +109,15 @@ def _open_file(*, mmap: bool, verify: bool = True) -> Callable[[Path, dict[str, 
     return open_file
 
 
+def _open_lazy(*, verify: bool) -> Callable[[Path, dict[str, Any]], Any]:
+    def open_lazy(work: Path, context: dict[str, Any]) -> Any:
+        from raptor_core.store import FileNodeStore
+
+        return FileNodeStore.open(work / "tree", verify=verify)
+
+    return open_lazy
+
+
 def _parse_json_only(work: Path, context: dict[str, Any]) -> Any:
     # What the file store's load costs before any node or matrix exists.
     return json.loads((work / "tree" / "tree.json").read_bytes())
@@ -187,6 +196,18 @@ STORES: dict[str, StoreEntry] = {
             name="file-mmap-noverify",
             open=_open_file(mmap=True, verify=False),
             note="Tree.load(path, mmap=True, verify=False): no SHA-256 of the files",
+        ),
+        StoreEntry(
+            name="file-lazy",
+            open=_open_lazy(verify=True),
+            note="FileNodeStore.open(path): the node index tree.idx, the matrix mapped, nodes "
+            "parsed when returned; blocks checked (SHA-256, unit norm) on first use",
+        ),
+        StoreEntry(
+            name="file-lazy-noverify",
+            open=_open_lazy(verify=False),
+            note="FileNodeStore.open(path, verify=False): rows still checked unit-norm on first "
+            "use, no SHA-256 of the blocks",
         ),
         StoreEntry(
             name="file-json-only",
@@ -331,7 +352,24 @@ def child(
             out["latency"][name] = _summary(times)
             out["ids"][name] = found
     out["rss_peak_mb"] = _peak_rss_mb()
+    out["rss_anon_mb"] = _anon_rss_mb()
     return out
+
+
+def _anon_rss_mb() -> float | None:
+    """Resident memory that is not a mapped file (``RssAnon``), in MB, now.
+
+    A memory-mapped matrix counts in the RSS once its pages are read, but those pages belong
+    to the page cache: the kernel drops them under memory pressure and shares them between
+    processes.  Anonymous memory is what the process really holds.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
 
 
 def _run_child(
@@ -400,7 +438,11 @@ class Results:
             "queries": self.args.queries,
             "dim": self.args.dim,
             "threads": self.args.threads,
-            "stores": {name: STORES[name].note for name in self.args.stores},
+            "stores": {
+                name: STORES[name].note
+                for name in STORES
+                if any(name in size["stores"] for size in self.sizes.values())
+            },
             "sizes": self.sizes,
             "note": self.args.note,
         }
@@ -432,7 +474,9 @@ def rows(size: dict[str, Any]) -> list[list[str]]:
     out = []
     if base:
         out.append([BASELINE, "", "", "", _fmt_ms(base, base), "", "", "", ""])
-    for name, r in stores.items():
+    for name, r in sorted(stores.items(), key=lambda item: _ORDER.get(item[0], len(_ORDER))):
+        if r.get("code") not in (None, size.get("code")):
+            name = f"{name} (at {r['code']})"  # kept from an earlier run by --merge
         if "error" in r:
             out.append([name, f"error: {r['error'][:80]}", "", "", "", "", "", "", ""])
             continue
@@ -445,6 +489,8 @@ def rows(size: dict[str, Any]) -> list[list[str]]:
             f"{r['rss_before_open_mb']:.0f} / {r['rss_open_mb']:.0f} / "
             f"{r.get('rss_peak_mb', r['rss_open_mb']):.0f}"
         )
+        if r.get("rss_anon_mb") is not None:
+            rss += f" (anon {r['rss_anon_mb']:.0f})"
         if "server_rss_peak_mb" in r:
             rss += f" + server {r['server_rss_peak_mb']:.0f}"
         out.append(
@@ -462,6 +508,8 @@ def rows(size: dict[str, Any]) -> list[list[str]]:
         )
     return out
 
+
+_ORDER = {name: i for i, name in enumerate(STORES)}
 
 HEADER = [
     "store",
@@ -490,7 +538,9 @@ def markdown(data: dict[str, Any]) -> str:
         f"{data['threads']} BLAS thread(s).  Every store is opened in a fresh process.  "
         "Latency ratios are of the numpy baseline's p50 in the same run.  RSS: the "
         "process's peak before opening (interpreter and imports; for `memory`, the tree already "
-        "in RAM), after opening, and after the queries.  Agreement: share of the in-memory store's top-k "
+        "in RAM), after opening, and after the queries, then (anon N) the anonymous part "
+        "at the end: pages of a memory-mapped file count in the RSS once read, but the kernel "
+        "can drop them.  Agreement: share of the in-memory store's top-k "
         "ids returned (collapsed / traversal).  [n queries]: the strategy used up its time "
         "budget (`--budget`) after n queries.",
         "",
@@ -605,6 +655,13 @@ def measure_size(args: argparse.Namespace, n: int, work: Path, results: Results)
         "matrix_mb": sum(v for k, v in files.items() if k.endswith(".npy")),
         "stores": {},
     }
+    kept = results.sizes.get(n, {}).get("stores", {}) if args.merge else {}
+    # --merge: stores not measured again keep their earlier figures (and say which commit).
+    size["stores"] = {
+        name: {**r, "code": r.get("code", results.sizes[n].get("code"))}
+        for name, r in kept.items()
+        if name not in args.stores
+    }
     results.sizes[n] = size
     print(f"# {nodes:,} nodes: generated in {generated:.1f} s, saved in {saved:.1f} s", flush=True)
     written: dict[str, dict[str, Any]] = {}
@@ -631,6 +688,7 @@ def measure_size(args: argparse.Namespace, n: int, work: Path, results: Results)
             result.update(_measure_server(args, entry, work))
         else:
             result.update(_run_child(args, entry, work, {}, "open"))
+        result["code"] = size["code"]
         size["stores"][name] = result
         found = result.pop("ids", {})
         if name == "memory":

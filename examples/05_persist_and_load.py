@@ -1,7 +1,9 @@
-"""Save a tree, load it back (memory-mapped), and see what a damaged file does.
+"""Save a tree, load it back (memory-mapped), open it lazily, and see what a damaged file does.
 
 Why: building is the expensive part, so trees are saved once and queried many times. The
-format is plain files (tree.json + one .npy matrix), written atomically and checksummed;
+format is plain files (tree.json + one .npy matrix + the node index tree.idx), written
+atomically and checksummed; a large tree can be searched without loading it
+(FileNodeStore.open reads the index and parses only the nodes it returns);
 nothing is pickled, so loading a tree from an untrusted source cannot run code, and a
 truncated or edited tree is refused with TreeFormatError instead of giving wrong answers.
 
@@ -13,7 +15,13 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from raptor_core import CollapsedTreeRetriever, Tree, TreeBuilder, TreeFormatError
+from raptor_core import (
+    CollapsedTreeRetriever,
+    FileNodeStore,
+    Tree,
+    TreeBuilder,
+    TreeFormatError,
+)
 from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer
 
 TEXTS = [
@@ -38,6 +46,11 @@ def main() -> None:
         loaded = Tree.load(directory, mmap=True)
         hits = CollapsedTreeRetriever(loaded, embedder, k=2).retrieve("Who walked on the Moon?")
         print("top hit after reload:", hits[0].node.text)
+
+        # Same answer without reading every node: what you want for a million-node tree.
+        store = FileNodeStore.open(directory)
+        lazy = CollapsedTreeRetriever(store, embedder, k=2).retrieve("Who walked on the Moon?")
+        print("top hit, opened lazily:", lazy[0].node.text)
 
         matrix = next(directory.glob("embeddings-*.npy"))
         matrix.write_bytes(matrix.read_bytes()[:-16])  # simulate a truncated copy

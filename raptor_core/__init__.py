@@ -47,6 +47,7 @@ from raptor_core.retrieval.passage import PassageRetriever
 from raptor_core.retrieval.registry import DEFAULT_STRATEGY, STRATEGIES, make_retriever
 from raptor_core.retrieval.traversal import TreeTraversalRetriever
 from raptor_core.retrieval.value import ValueBasedRetriever
+from raptor_core.store.files import FileNodeStore
 from raptor_core.store.memory import InMemoryNodeStore
 from raptor_core.tokenizers import RegexTokenizer, TiktokenTokenizer
 from raptor_core.tree import Node, Tree
@@ -97,6 +98,7 @@ __all__ = [
     "EmbeddingResponseError",
     "ExtractiveSummarizer",
     "FaissIndex",
+    "FileNodeStore",
     "GMMClusterer",
     "Hit",
     "HybridResult",

@@ -468,11 +468,14 @@ def _with_parents(
     are; hand-built and loaded nodes get them filled in; wrong ones are an error.
     """
     out: list[Node] | None = None
+    # Plain lists: indexing numpy arrays element by element costs more than the comparison.
+    ids = [node.id for node in nodes]
+    bounds, rows = ptr.tolist(), parent_rows.tolist()
     for i, node in enumerate(nodes):
-        start, end = int(ptr[i]), int(ptr[i + 1])
+        start, end = bounds[i], bounds[i + 1]
         if not node.parents and start == end:
             continue
-        expected = tuple(nodes[int(r)].id for r in parent_rows[start:end])
+        expected = tuple(map(ids.__getitem__, rows[start:end]))
         if node.parents == expected:
             continue
         if node.parents:

@@ -56,6 +56,10 @@ class GenericBackend:
     nested = False
     #: the store returns vectors (else scores are the store's own similarities)
     has_vectors = False
+    #: any metadata filter makes the store scan the collection before its vector search
+    #: (Chroma: 0.4 s a query at 100k nodes, against 2 ms without): the structural default
+    #: "no carried copies" is then checked in Python on a slightly larger result instead
+    scanning_filters = False
 
     def __init__(self, vector_store: BasePydanticVectorStore, docstore: BaseDocumentStore | None):
         self.vector_store = vector_store
@@ -243,6 +247,7 @@ class ChromaBackend(GenericBackend):
 
     nested = True
     has_vectors = True
+    scanning_filters = True
 
     @property
     def collection(self) -> Any:

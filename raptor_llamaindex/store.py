@@ -584,7 +584,10 @@ class LlamaIndexNodeStore:
                     key="raptor_layer", operator=FilterOperator.IN, value=sorted(where.layers)
                 )
             )
-        if not where.include_carried:
+        # Carried copies are rare: where a filter would scan the collection, leave them to
+        # the check in Python (accepts) on an over-fetched result.
+        carried_in_python = not where.include_carried and self.backend.scanning_filters
+        if not where.include_carried and not carried_in_python:
             parts.append(MetadataFilter(key="raptor_carried", value=0))
         if where.doc_ids is not None:
             parts.append(
@@ -606,6 +609,7 @@ class LlamaIndexNodeStore:
                 parts.append(where.native)
             else:
                 exact = False  # checked in Python on an over-fetched result
+        exact = exact and not carried_in_python
         if not parts:
             return None, exact
         return MetadataFilters(filters=parts, condition=FilterCondition.AND), exact

@@ -7,17 +7,20 @@ or (through the adapters) on a user's own vector database.
 
 from __future__ import annotations
 
+from raptor_core.store.files import FileNodeStore, TreeIndexWarning
 from raptor_core.store.filters import check_where, compile_where
 from raptor_core.store.memory import InMemoryNodeStore
 from raptor_core.store.vectors import StoreShape, unit_rows
 from raptor_core.types import Match, NodeFilter, NodeStore
 
 __all__ = [
+    "FileNodeStore",
     "InMemoryNodeStore",
     "Match",
     "NodeFilter",
     "NodeStore",
     "StoreShape",
+    "TreeIndexWarning",
     "check_where",
     "compile_where",
     "unit_rows",

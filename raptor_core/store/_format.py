@@ -9,6 +9,8 @@ A saved tree is a directory::
                               params, build_info and the nodes
     embeddings-<hex16>.npy    the (n, d) matrix: little-endian float32, C order, .npy 1.0
                               (2.0 is read too); <hex16> = first 16 hex digits of its SHA-256
+    tree.idx                  the node index a lazy open reads (raptor_core.store._index);
+                              never read by a load, which needs tree.json alone
     .raptor.lock              the save lock (empty; left in place, as lock files must be)
     .raptor-cache/            optional: the build cache of ``raptor build --out``
     raptor_llamaindex.json    optional: retrieval parameters written by the LlamaIndex adapter
@@ -101,7 +103,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 from numpy.lib import format as npy_format
@@ -118,8 +120,12 @@ from raptor_core.tree import (
     check_unit_rows,
 )
 
+if TYPE_CHECKING:
+    from raptor_core.store.files import FileNodeStore
+
 __all__ = [
     "CACHE_DIR",
+    "INDEX_FILE",
     "LOCK_FILE",
     "LOCK_TIMEOUT_S",
     "MAX_DIM",
@@ -135,6 +141,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 TREE_FILE = "tree.json"
+#: The node index written beside ``tree.json`` (see :mod:`raptor_core.store._index`).
+INDEX_FILE = "tree.idx"
+#: What our writer puts between the header and the first node of ``tree.json``.
+NODES_OPENING = ',\n "nodes": [\n'
 LOCK_FILE = ".raptor.lock"
 #: The build cache ``raptor build --out DIR`` keeps in ``DIR`` (see raptor_core.cli).
 CACHE_DIR = ".raptor-cache"
@@ -160,6 +170,8 @@ _LEGACY_TMP = re.compile(r"\.(tree\.json|embeddings-[0-9a-f]{16}\.npy)\.[a-z0-9_
 _OUR_HEAD = re.compile(rb'\A\s*\{\s*"format"\s*:\s*"raptor-tree"\s*,')
 _HEAD_MATRIX = re.compile(rb'"embeddings"\s*:\s*\{\s*"file"\s*:\s*"(embeddings-[0-9a-f]{16}\.npy)"')
 _HEAD_BYTES = 64 * 1024
+# Largest tree.idx: its columns take about 70 bytes a node, plus the ids and metadata.
+_MAX_INDEX_BYTES = 4 * MAX_JSON_BYTES
 # A \uXXXX escape of a surrogate: decoded by json into a str that cannot be encoded.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _MAX_OFFSET = 2**53
@@ -252,13 +264,8 @@ def _read_once(directory: Path, *, mmap: bool, verify: bool) -> Tree:
     document = _parse_json(raw, tree_file)
     del raw
     meta = _check_document(document, tree_file)
-    saved_by = document["raptor_core_version"]
-    if saved_by != __version__:
-        warnings.warn(
-            f"tree saved by raptor_core {saved_by}, loading with {__version__}",
-            TreeVersionWarning,
-            stacklevel=4,  # _read_once, read_tree, Tree.load, the caller
-        )
+    # _warn_version, _read_once, read_tree, Tree.load, the caller
+    _warn_version(document["raptor_core_version"], stacklevel=5)
     body = {k: document[k] for k in ("params", "build_info", "nodes")}
     if verify:
         try:
@@ -268,7 +275,7 @@ def _read_once(directory: Path, *, mmap: bool, verify: bool) -> Tree:
         if not content_ok:
             msg = f"{tree_file} content does not match its checksum: the file was edited or damaged"
             raise TreeFormatError(msg)
-    nodes = tuple(node_from_json(node, i) for i, node in enumerate(document["nodes"]))
+    nodes = _nodes_from_json(document["nodes"])
     matrix_path = directory / meta.file
     try:
         emb = _read_matrix(matrix_path, meta, mmap=mmap, verify=verify)
@@ -289,7 +296,123 @@ def _read_once(directory: Path, *, mmap: bool, verify: bool) -> Tree:
         raise TreeFormatError(msg) from exc
 
 
-class _MatrixMeta:
+def open_tree_lazily(directory: Path, *, verify: bool = True) -> FileNodeStore:
+    """Open the tree in ``directory`` through its node index (see :mod:`raptor_core.store.files`).
+
+    Raises:
+        TreeFormatError: anything wrong with the directory or its files.
+    """
+    # A save writes tree.idx, then tree.json: an open between the two sees a new index
+    # beside the old tree.json.  Try again, then under the save lock (which keeps saves
+    # out), before taking the index for stale (an older version re-saved the tree).
+    for _ in range(3):
+        try:
+            return _open_once(directory, verify=verify, stale_ok=False)
+        except _TreeReplacedError:
+            continue
+    lock_path = directory / LOCK_FILE
+    if not lock_path.is_symlink() and lock_path.is_file():
+        from filelock import FileLock, Timeout
+
+        try:
+            with FileLock(lock_path, timeout=LOCK_TIMEOUT_S):
+                return _open_once(directory, verify=verify, stale_ok=True)
+        except (_TreeReplacedError, Timeout, OSError):
+            pass
+    try:
+        return _open_once(directory, verify=verify, stale_ok=True)
+    except _TreeReplacedError:
+        msg = f"{directory}: the tree kept changing while it was opened (a save loop?); try again"
+        raise TreeFormatError(msg) from None
+
+
+def _open_once(directory: Path, *, verify: bool, stale_ok: bool) -> FileNodeStore:
+    from raptor_core.store import files
+    from raptor_core.store._index import read_index
+
+    tree_file = directory / TREE_FILE
+    try:
+        fd, st = _open_regular(tree_file, MAX_JSON_BYTES)
+    except FileNotFoundError:
+        msg = (
+            f"no RAPTOR tree at {directory}: {TREE_FILE} not found (build one with `raptor build`)"
+        )
+        raise TreeFormatError(msg) from None
+    tree_json = open(fd, "rb")  # noqa: SIM115 - the store keeps it open to read nodes
+    try:
+        try:
+            index_fd, _ = _open_regular(directory / INDEX_FILE, _MAX_INDEX_BYTES)
+        except FileNotFoundError:
+            tree_json.close()
+            return files.fall_back(directory, f"it has no node index ({INDEX_FILE})", verify=verify)
+        index, document = read_index(directory / INDEX_FILE, index_fd, tree_json, st.st_size)
+        if index is None:
+            tree_json.close()
+            if _changed(tree_file, st) or not stale_ok:
+                raise _TreeReplacedError
+            reason = (
+                f"its {INDEX_FILE} describes another {TREE_FILE} (re-saved by an older version?)"
+            )
+            return files.fall_back(directory, reason, verify=verify)
+        meta = check_header(document, tree_file)
+        if (meta.n, meta.dim, meta.file, meta.sha256) != (
+            len(index.columns.ids),
+            index.dim,
+            index.matrix_file,
+            index.matrix_sha256,
+        ):
+            msg = f"{directory / INDEX_FILE} does not describe the matrix {TREE_FILE} names"
+            raise TreeFormatError(msg)
+        _warn_version(document["raptor_core_version"], stacklevel=5)
+        try:
+            with open_matrix(directory / meta.file, meta) as (matrix_file, offset):
+                return files.open_lazily(
+                    index.columns,
+                    index,
+                    tree_json,
+                    matrix_file,
+                    offset,
+                    params=document["params"],
+                    build_info=document["build_info"],
+                    verify=verify,
+                )
+        except FileNotFoundError:
+            if _changed(tree_file, st):
+                raise _TreeReplacedError from None
+            msg = f"embedding matrix {meta.file} of {directory} is missing"
+            raise TreeFormatError(msg) from None
+        except OSError as exc:
+            msg = f"cannot read {directory / meta.file}: {exc}"
+            raise TreeFormatError(msg) from exc
+    except BaseException:
+        tree_json.close()
+        raise
+
+
+def _parse_head(head: bytes, path: Path) -> dict[str, Any]:
+    """The fields of ``tree.json`` before its nodes, as our writer lays them out."""
+    opening = NODES_OPENING.encode()
+    if not head.endswith(opening):
+        msg = f"{path} is not laid out as the node index says; re-save the tree"
+        raise TreeFormatError(msg)
+    document = _parse_json(head[: -len(opening)] + b"\n}", path)
+    _check_marker(document, path)
+    _exact_keys(document, _DOC_KEYS - {"nodes"}, f"{path}")
+    return document
+
+
+def _warn_version(saved_by: str, *, stacklevel: int) -> None:
+    if saved_by != __version__:
+        warnings.warn(
+            f"tree saved by raptor_core {saved_by}, loading with {__version__}",
+            TreeVersionWarning,
+            stacklevel=stacklevel,
+        )
+
+
+class MatrixMeta:
+    """Where the matrix is and what it must hold, as ``tree.json`` records it."""
+
     __slots__ = ("dim", "file", "n", "sha256")
 
     def __init__(self, file: str, n: int, dim: int, sha256: str) -> None:
@@ -372,8 +495,19 @@ def _parse_json(raw: bytes, path: Path) -> Any:
     return document
 
 
-def _check_document(document: Any, path: Path) -> _MatrixMeta:
+def _check_document(document: Any, path: Path) -> MatrixMeta:
     """Check the top level of ``tree.json``; return what locates the matrix."""
+    _check_marker(document, path)
+    _exact_keys(document, _DOC_KEYS, f"{path}")
+    nodes, n = document["nodes"], document["num_nodes"]
+    if type(nodes) is not list:
+        _fail(path, "nodes", "a list", nodes)
+    if type(n) is not int or n != len(nodes):
+        _fail(path, "num_nodes", f"the number of nodes listed ({len(nodes)})", n)
+    return check_header(document, path)
+
+
+def _check_marker(document: Any, path: Path) -> None:
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
         msg = f"{path} is not a RAPTOR tree file (missing format marker {FORMAT_NAME!r})"
         raise TreeFormatError(msg)
@@ -384,7 +518,16 @@ def _check_document(document: Any, path: Path) -> _MatrixMeta:
             f"reads versions 1..{FORMAT_VERSION}: upgrade raptor-retriever or rebuild the tree"
         )
         raise TreeFormatError(msg)
-    _exact_keys(document, _DOC_KEYS, f"{path}")
+
+
+def check_header(document: dict[str, Any], path: Path) -> MatrixMeta:
+    """Check the fields of ``tree.json`` other than ``nodes``; return what locates the matrix.
+
+    The format marker, version and keys are checked by the caller.
+    """
+    n = document["num_nodes"]
+    if type(n) is not int or n < 0:
+        _fail(path, "num_nodes", "a non-negative integer", n)
     saved_by = document["raptor_core_version"]
     if type(saved_by) is not str or len(saved_by) > _MAX_VERSION_CHARS:
         _fail(path, "raptor_core_version", "a short string", saved_by)
@@ -393,11 +536,6 @@ def _check_document(document: Any, path: Path) -> _MatrixMeta:
             _fail(path, key, "an object", document[key])
         if _too_deep(document[key], MAX_VALUE_DEPTH):
             _fail(path, key, f"nested at most {MAX_VALUE_DEPTH} levels deep", "deeper")
-    nodes, n = document["nodes"], document["num_nodes"]
-    if type(nodes) is not list:
-        _fail(path, "nodes", "a list", nodes)
-    if type(n) is not int or n != len(nodes):
-        _fail(path, "num_nodes", f"the number of nodes listed ({len(nodes)})", n)
     if not _is_sha256(document["content_sha256"]):
         _fail(path, "content_sha256", "64 hex digits", document["content_sha256"])
     matrix = document["embeddings"]
@@ -418,7 +556,45 @@ def _check_document(document: Any, path: Path) -> _MatrixMeta:
     min_dim = 1 if n else 0
     if rows != n or not min_dim <= dim <= MAX_DIM:
         _fail(path, "embeddings.shape", f"[{n}, d] with {min_dim} <= d <= {MAX_DIM}", shape)
-    return _MatrixMeta(file, n, dim, sha)
+    return MatrixMeta(file, n, dim, sha)
+
+
+def _nodes_from_json(entries: list[Any]) -> tuple[Node, ...]:
+    """Build every node of ``tree.json`` once, with its parents already filled in.
+
+    ``Tree`` fills in missing parents by copying each node; computing them here from the
+    children lists (each child's parents in row order, as ``Tree`` derives them) saves that
+    second construction of every node.  ``Tree`` still checks them.
+    """
+    for i, entry in enumerate(entries):
+        if not _valid_node(entry):
+            _explain_node(entry, i)
+    row = {entry["id"]: i for i, entry in enumerate(entries)}
+    parents: dict[int, list[str]] = {}
+    for entry in entries:
+        for child in entry["children"]:
+            found = row.get(child)
+            if found is not None:  # an unknown child is reported by Tree
+                parents.setdefault(found, []).append(entry["id"])
+    return tuple(
+        _node(entry, tuple(parents[i]) if i in parents else ()) for i, entry in enumerate(entries)
+    )
+
+
+def _node(data: dict[str, Any], parents: tuple[str, ...]) -> Node:
+    span = data["span"]
+    return Node(
+        id=data["id"],
+        text=data["text"],
+        layer=data["layer"],
+        token_count=data["token_count"],
+        children=tuple(data["children"]),
+        doc_id=data["doc_id"],
+        span=None if span is None else (span[0], span[1]),
+        doc_ids=tuple(data["doc_ids"]),
+        metadata=data["metadata"],
+        parents=parents,
+    )
 
 
 def node_from_json(data: Any, index: int | None = None) -> Node:
@@ -433,18 +609,7 @@ def node_from_json(data: Any, index: int | None = None) -> Node:
     """
     if not _valid_node(data):
         _explain_node(data, index)
-    span = data["span"]
-    return Node(
-        id=data["id"],
-        text=data["text"],
-        layer=data["layer"],
-        token_count=data["token_count"],
-        children=tuple(data["children"]),
-        doc_id=data["doc_id"],
-        span=None if span is None else (span[0], span[1]),
-        doc_ids=tuple(data["doc_ids"]),
-        metadata=data["metadata"],
-    )
+    return _node(data, ())
 
 
 def _valid_node(data: Any) -> bool:
@@ -511,8 +676,28 @@ def _explain_node(data: Any, index: int | None) -> NoReturn:
     )
 
 
-def _read_matrix(path: Path, meta: _MatrixMeta, *, mmap: bool, verify: bool) -> NDArray[np.float32]:
+def _read_matrix(path: Path, meta: MatrixMeta, *, mmap: bool, verify: bool) -> NDArray[np.float32]:
     """Read (or map) the matrix after checking its header and size; see the module docstring."""
+    n, dim = meta.n, meta.dim
+    with open_matrix(path, meta) as (f, offset):
+        digest = hashlib.sha256() if verify else None
+        if digest is not None:
+            f.seek(0)
+            digest.update(f.read(offset))
+        emb = _map_rows(f, offset, n, dim, digest) if mmap else _read_rows(f, path, n, dim, digest)
+    if digest is not None and digest.hexdigest() != meta.sha256:
+        msg = f"{path} does not match its checksum: truncated or replaced"
+        raise TreeFormatError(msg)
+    emb.flags.writeable = False
+    return emb
+
+
+@contextmanager
+def open_matrix(path: Path, meta: MatrixMeta) -> Iterator[tuple[io.BufferedReader, int]]:
+    """Open the matrix file, check its ``.npy`` header and size; yield it and its data offset.
+
+    ``FileNotFoundError`` passes through; every other problem is a ``TreeFormatError``.
+    """
     n, dim = meta.n, meta.dim
     data_bytes = n * dim * 4
     fd, st = _open_regular(path, data_bytes + MAX_NPY_HEADER_BYTES)
@@ -546,16 +731,7 @@ def _read_matrix(path: Path, meta: _MatrixMeta, *, mmap: bool, verify: bool) -> 
                 f"take {offset + data_bytes}: the file is truncated or padded"
             )
             raise TreeFormatError(msg)
-        digest = hashlib.sha256() if verify else None
-        if digest is not None:
-            f.seek(0)
-            digest.update(f.read(offset))
-        emb = _map_rows(f, offset, n, dim, digest) if mmap else _read_rows(f, path, n, dim, digest)
-    if digest is not None and digest.hexdigest() != meta.sha256:
-        msg = f"{path} does not match its checksum: truncated or replaced"
-        raise TreeFormatError(msg)
-    emb.flags.writeable = False
-    return emb
+        yield f, offset
 
 
 def _map_rows(
@@ -693,7 +869,18 @@ def write_tree(
     digest.update(data)
     sha = digest.hexdigest()
     matrix_name = f"embeddings-{sha[:16]}.npy"
-    payload = _tree_json(tree, matrix_name, matrix.shape, sha)
+    payload, head_bytes, line_bytes = _tree_json(tree, matrix_name, matrix.shape, sha)
+    from raptor_core.store._index import index_bytes
+
+    index = index_bytes(
+        tree,
+        payload,
+        head_bytes=head_bytes,
+        line_bytes=line_bytes,
+        matrix_name=matrix_name,
+        matrix_sha256=sha,
+        matrix=matrix,
+    )
 
     if directory.exists() and not directory.is_dir():
         msg = f"cannot save a tree to {directory}: it exists and is not a directory"
@@ -708,6 +895,9 @@ def write_tree(
             _atomic_write(directory, matrix_name, (header, data))
         for name, content in extras.items():
             _atomic_write(directory, name, (content,))
+        # The node index names the tree.json it describes (size and head hash), so a reader
+        # that sees the new index beside the old tree.json falls back instead of mixing them.
+        _atomic_write(directory, INDEX_FILE, (index,))
         _atomic_write(directory, TREE_FILE, (payload,))
         _fsync_dir(directory)
         # Only now is the previous matrix unreferenced; a crash before this line keeps it.
@@ -724,7 +914,10 @@ def _npy_header(matrix: NDArray[np.float32]) -> bytes:
     return buf.getvalue()
 
 
-def _tree_json(tree: Tree, matrix_name: str, shape: tuple[int, ...], sha: str) -> bytes:
+def _tree_json(
+    tree: Tree, matrix_name: str, shape: tuple[int, ...], sha: str
+) -> tuple[bytes, int, NDArray[np.int64]]:
+    """``tree.json``'s bytes, the length of its head and the length of each node's line."""
     body: dict[str, Any] = {
         "params": dict(tree.params),
         "build_info": dict(tree.build_info),
@@ -769,8 +962,9 @@ def _tree_json(tree: Tree, matrix_name: str, shape: tuple[int, ...], sha: str) -
         # Indented header, then one node per line: readable, and each node goes through
         # json's C encoder (an indented dump of the whole tree runs in pure Python, 5x slower).
         text = json.dumps(head, ensure_ascii=False, indent=1)
-        nodes = ",\n".join(json.dumps(node, ensure_ascii=False) for node in body["nodes"])
-        payload = f'{text[:-2]},\n "nodes": [\n{nodes}\n ]\n}}\n'.encode()
+        head_bytes = f"{text[:-2]}{NODES_OPENING}".encode()
+        lines = [json.dumps(node, ensure_ascii=False).encode() for node in body["nodes"]]
+        payload = b"".join((head_bytes, b",\n".join(lines), b"\n ]\n}\n"))
     except UnicodeEncodeError as exc:
         msg = (
             f"cannot save this tree: a text or metadata string holds an unpaired surrogate ({exc})"
@@ -782,7 +976,8 @@ def _tree_json(tree: Tree, matrix_name: str, shape: tuple[int, ...], sha: str) -
             f"{MAX_JSON_BYTES} a load accepts (raptor_core.store._format.MAX_JSON_BYTES)"
         )
         raise InvalidParameterError(msg)
-    return payload
+    line_bytes = np.fromiter(map(len, lines), dtype=np.int64, count=len(lines))
+    return payload, len(head_bytes), line_bytes
 
 
 def _unserialisable(tree: Tree, exc: BaseException) -> str:
@@ -804,7 +999,7 @@ def _unserialisable(tree: Tree, exc: BaseException) -> str:
 
 def _check_extra_name(name: str) -> None:
     reserved = (
-        name in (TREE_FILE, LOCK_FILE, CACHE_DIR)
+        name in (TREE_FILE, INDEX_FILE, LOCK_FILE, CACHE_DIR)
         or name.startswith((".", _TMP_PREFIX))
         or _MATRIX_NAME.fullmatch(name) is not None
     )
@@ -847,7 +1042,7 @@ def _ours(entry: os.DirEntry[str], extras: Mapping[str, bytes]) -> bool:
     if name == CACHE_DIR:
         return entry.is_dir(follow_symlinks=False)
     return (
-        name == LOCK_FILE
+        name in (LOCK_FILE, INDEX_FILE)
         or name in extras
         or _is_leftover(name, extras)
         or _MATRIX_NAME.fullmatch(name) is not None

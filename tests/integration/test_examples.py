@@ -89,6 +89,8 @@ def test_05_persist_and_load() -> None:
     proc = _run("05_persist_and_load.py")
     assert proc.returncode == 0, proc.stderr
     assert "damaged tree refused" in proc.stdout
+    reloaded = proc.stdout.split("top hit after reload:")[1].splitlines()[0]
+    assert f"top hit, opened lazily:{reloaded}" in proc.stdout
 
 
 def test_07_langchain_chroma_against_the_server(chroma_server) -> None:  # type: ignore[no-untyped-def]

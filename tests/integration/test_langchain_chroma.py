@@ -5,8 +5,8 @@
   ``PersistentClient``.
 * "Same answers everywhere": six essays (tests/data/multi_topic.md), built once with the
   packaged all-MiniLM-L6-v2, UMAP/GMM and the extractive summariser; every strategy returns
-  the same nodes with the same scores from the in-memory tree, the plain-file tree, an
-  ``InMemoryVectorStore`` and the Chroma server.
+  the same nodes with the same scores from the in-memory tree, the plain-file tree (loaded,
+  and opened lazily as a ``FileNodeStore``), an ``InMemoryVectorStore`` and the Chroma server.
 * ``RaptorRetriever`` over Chroma: build, reopen from a new client, Chroma's own filters.
 """
 
@@ -30,6 +30,7 @@ from langchain_tests.integration_tests import RetrieversIntegrationTests
 
 from raptor_core.build.builder import TreeBuilder
 from raptor_core.retrieval.registry import make_retriever
+from raptor_core.store import FileNodeStore
 from raptor_core.testing import NodeStoreTests, ScriptedLLM, select_first
 from raptor_core.tree import Tree
 from raptor_core.types import Document as CoreDocument
@@ -175,6 +176,7 @@ def test_same_answers_everywhere(
     sources: dict[str, Any] = {
         "tree": essay_tree,
         "file": Tree.load(essay_tree.save(tmp_path / "essays")),
+        "file, opened lazily": FileNodeStore.open(tmp_path / "essays"),
         "InMemoryVectorStore": LangChainNodeStore(in_memory_vs),
         "Chroma server": LangChainNodeStore(chroma_essays),
     }

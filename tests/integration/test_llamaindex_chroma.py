@@ -29,6 +29,7 @@ from llama_index.vector_stores.chroma import ChromaVectorStore
 
 from raptor_core.build.builder import TreeBuilder
 from raptor_core.retrieval.registry import make_retriever
+from raptor_core.store import FileNodeStore
 from raptor_core.testing import NodeStoreTests
 from raptor_core.tree import Tree
 from raptor_llamaindex import RaptorIndex
@@ -165,6 +166,7 @@ def test_same_answers_everywhere(
         store.add_tree(essay_tree)
     sources: dict[str, Any] = {
         "tree": essay_tree,
+        "file, opened lazily": FileNodeStore.open(essay_tree.save(tmp_path / "tree")),
         "SimpleVectorStore": simple,
         "Chroma embedded": embedded,
         "Chroma server": server,

@@ -268,6 +268,29 @@ def test_raptor_query_refuses(scene: Scene, built_tree: Tree, name: str) -> None
     assert_nothing_happened(scene, before)
 
 
+# -- the lazy file store --------------------------------------------------------------------------
+@pytest.mark.parametrize("name", RECORD_NAMES)
+def test_lazy_file_store_treats_the_record_as_data(
+    scene: Scene, built_tree: Tree, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from raptor_core.components import recreate_embedder
+    from raptor_core.retrieval.collapsed import CollapsedTreeRetriever
+    from raptor_core.store import FileNodeStore
+
+    directory = prepare(scene, built_tree, name)
+    monkeypatch.chdir(directory)
+    monkeypatch.syspath_prepend(str(directory))
+    before = snapshot(scene.root)
+    store = FileNodeStore.open(directory)  # reads tree.idx and the head of tree.json
+    assert "lazy" in repr(store)
+    with pytest.raises(InvalidParameterError, match="embedder"):
+        recreate_embedder(store.params.get("embedder"), dim=store.dim)
+    assert_nothing_happened(scene, before)
+    hits = CollapsedTreeRetriever(store, FakeEmbedder(DIM), k=2).retrieve("cats purr")
+    assert len(hits) == 2 and "Cats" in hits[0].node.text
+    assert_nothing_happened(scene, before)
+
+
 # -- LangChain ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", RECORD_NAMES)
 def test_langchain_load_refuses(

@@ -514,3 +514,40 @@ def test_simple_vector_store_searches_see_writes_made_through_llamaindex() -> No
     store.vector_store.add([text_node])
     store.docstore.add_documents([text_node])  # type: ignore[union-attr]
     assert store.search(q, 1)[0].node.id == "twin"
+
+
+# Any Chroma `where` is evaluated over the whole collection before the vector search
+# (benchmarks/results/stores.md), so the default "no carried copies" is checked in Python.
+@pytest.mark.parametrize("carried", [False, True])
+def test_chroma_gets_no_where_for_the_structural_defaults(tmp_path: Path, carried: bool) -> None:
+    pytest.importorskip("llama_index.vector_stores.chroma")
+    import chromadb
+    from llama_index.vector_stores.chroma import ChromaVectorStore
+
+    from raptor_core.store import InMemoryNodeStore, NodeFilter
+    from raptor_core.testing import store_tree
+
+    client = chromadb.PersistentClient(path=str(tmp_path / "db"))
+    collection = client.get_or_create_collection("nodes")
+    chroma = LlamaIndexNodeStore(ChromaVectorStore(chroma_collection=collection))
+    where = NodeFilter(include_carried=carried)
+    assert chroma._filters(where) == (None, carried)  # inexact: over-fetch, check in Python
+    simple = LlamaIndexNodeStore(SimpleVectorStore())
+    filters, exact = simple._filters(where)
+    assert exact and (filters is None) == carried
+    # And the answers leave carried copies out all the same.
+    tree = store_tree()
+    chroma.add_tree(tree)
+    sent: list[Any] = []
+    query = collection.query
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        sent.append(kwargs.get("where"))
+        return query(*args, **kwargs)
+
+    collection.query = recording  # type: ignore[method-assign]
+    q = tree.embeddings[0]
+    found = chroma.search(q, len(tree), where=where)
+    assert sent and all(w is None for w in sent)
+    memory = InMemoryNodeStore.from_tree(tree).search(q, len(tree), where=where)
+    assert [m.node.id for m in found] == [m.node.id for m in memory]

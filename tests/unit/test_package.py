@@ -35,6 +35,7 @@ EXPECTED_ALL = {
     "Embedder",
     "ExtractiveSummarizer",
     "FaissIndex",
+    "FileNodeStore",
     "GMMClusterer",
     "Hit",
     "HybridResult",

@@ -20,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ import pytest
 from filelock import FileLock
 
 from raptor_core.exceptions import InvalidParameterError, TreeFormatError, TreeLockError
-from raptor_core.store import _format
+from raptor_core.store import FileNodeStore, TreeIndexWarning, _format
 from raptor_core.testing import random_tree, tiny_tree
 from raptor_core.tree import Node, Tree
 
@@ -48,10 +49,16 @@ def _entries(directory: Path) -> list[str]:
 
 
 def _assert_clean(directory: Path) -> None:
-    """Exactly one whole tree: the lock, tree.json and the one matrix it names."""
+    """Exactly one whole tree: the lock, tree.json, its node index and the matrix it names."""
     names = _entries(directory)
-    assert len(names) == 3 and names[0] == ".raptor.lock" and names[2] == "tree.json", names
+    assert len(names) == 4 and names[0] == ".raptor.lock", names
+    assert names[2:] == ["tree.idx", "tree.json"], names
     assert names[1] == json.loads((directory / "tree.json").read_text())["embeddings"]["file"]
+    # The index belongs to this tree.json: opening lazily neither warns nor differs.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TreeIndexWarning)
+        lazy = FileNodeStore.open(directory)
+    assert [n.id for n in lazy] == [n.id for n in Tree.load(directory).nodes]
 
 
 # -- two processes saving into one directory ------------------------------------------------
@@ -120,7 +127,7 @@ def test_concurrent_llamaindex_persists_never_fail(tmp_path: Path) -> None:
     seed = read_params(tmp_path)["retriever"]["similarity_top_k"]
     assert _same(Tree.load(tmp_path), _tree(seed))  # the tree and its parameters belong together
     assert _entries(tmp_path) == sorted(
-        [".raptor.lock", "tree.json", PARAMS_FILE, _emb(tmp_path).name]
+        [".raptor.lock", "tree.idx", "tree.json", PARAMS_FILE, _emb(tmp_path).name]
     )
 
 
@@ -293,6 +300,7 @@ def test_our_own_leftovers_do_not_make_a_directory_foreign(tmp_path: Path) -> No
         ".raptor-cache",
         ".raptor.lock",
         _emb(tmp_path).name,
+        "tree.idx",
         "tree.json",
     ]
     assert (tmp_path / ".raptor-cache" / "cache.sqlite3").read_bytes() == b"cache"
@@ -362,7 +370,7 @@ def test_saved_files_follow_the_umask(tmp_path: Path, umask: int, mode: int) -> 
         text=True,
     )
     modes = json.loads(proc.stdout)
-    assert len(modes) == 3 and set(modes.values()) == {mode}, modes
+    assert len(modes) == 4 and set(modes.values()) == {mode}, modes
 
 
 # -- what a save refuses to write ------------------------------------------------------------
@@ -503,3 +511,24 @@ def test_fifo_in_place_of_tree_json_does_not_hang(tmp_path: Path) -> None:
     with pytest.raises(InvalidParameterError):
         tiny_tree().save(tmp_path)
     assert stat.S_ISFIFO(os.lstat(tmp_path / "tree.json").st_mode)
+
+
+def test_lazy_opens_during_saves_see_a_whole_tree(tmp_path: Path) -> None:
+    """FileNodeStore.open racing saves gets the old tree or the new one, never a mix of an
+    index and a tree.json, and never mistakes the save in progress for a stale index."""
+    trees = (_tree(1), _tree(2))
+    trees[0].save(tmp_path)
+    saver = SPAWN.Process(target=_save_alternately, args=(str(tmp_path), 40))
+    saver.start()
+    opens = 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", TreeIndexWarning)
+            while saver.is_alive() or opens == 0:
+                store = FileNodeStore.open(tmp_path)
+                nodes = list(store)
+                assert any(nodes == list(tree.nodes) for tree in trees)
+                opens += 1
+    finally:
+        _stop([saver])
+    assert saver.exitcode == 0 and opens > 0
