@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from raptor_core._imports import require
-from raptor_core.build.executors import BuildStageError, stage_error
+from raptor_core.build.executors import stage_error
 from raptor_core.exceptions import InvalidParameterError, RaptorError
 
 __all__ = ["RayExecutor"]
@@ -201,7 +201,7 @@ class RayExecutor:
                     f"cannot connect to Ray at {self.address or 'a new local instance'!r}: {exc}. "
                     "Start a cluster (`ray start --head`), or pass address=None for a local one."
                 )
-                raise BuildStageError(msg, stage="connect") from exc
+                raise InvalidParameterError(msg) from exc
             self._started = True
         return ray
 
