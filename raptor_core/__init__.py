@@ -13,19 +13,23 @@ from raptor_core._version import __version__
 from raptor_core.backends.faiss_index import FaissIndex
 from raptor_core.backends.numpy_index import NumpyIndex
 from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
+from raptor_core.build.budget import LLMBudget, Pricing
 from raptor_core.build.builder import TreeBuilder
 from raptor_core.build.chunking import SentenceChunker
 from raptor_core.build.clustering import GMMClusterer
 from raptor_core.build.incremental import TreeUpdate, UpdateReport
+from raptor_core.build.progress import BuildProgress
 from raptor_core.build.summarizers import ExtractiveSummarizer, LLMSummarizer
 from raptor_core.exceptions import (
     BackendError,
+    BudgetExceededError,
     CacheError,
     EmbeddingError,
     EmbeddingResponseError,
     InvalidInputError,
     InvalidParameterError,
     LLMAuthenticationError,
+    LLMBatchError,
     LLMError,
     LLMRequestError,
     LLMResponseError,
@@ -52,6 +56,7 @@ from raptor_core.types import (
     AsyncEmbedder,
     AsyncLLM,
     AsyncSummarizer,
+    BatchSummarizer,
     Chunk,
     Chunker,
     Clusterer,
@@ -60,6 +65,7 @@ from raptor_core.types import (
     Match,
     NodeFilter,
     NodeStore,
+    SpanEmbedder,
     Summarizer,
     Tokenizer,
     VectorIndex,
@@ -77,6 +83,9 @@ __all__ = [
     "AsyncLLM",
     "AsyncSummarizer",
     "BackendError",
+    "BatchSummarizer",
+    "BudgetExceededError",
+    "BuildProgress",
     "CacheError",
     "Chunk",
     "Chunker",
@@ -97,6 +106,8 @@ __all__ = [
     "InvalidParameterError",
     "JudgeDecision",
     "LLMAuthenticationError",
+    "LLMBatchError",
+    "LLMBudget",
     "LLMError",
     "LLMGuidedRetriever",
     "LLMRequestError",
@@ -111,10 +122,12 @@ __all__ = [
     "NodeStore",
     "NumpyIndex",
     "PassageRetriever",
+    "Pricing",
     "RaptorError",
     "RegexTokenizer",
     "SentenceChunker",
     "SentenceTransformerEmbedder",
+    "SpanEmbedder",
     "SummarizationError",
     "Summarizer",
     "TiktokenTokenizer",

@@ -9,12 +9,14 @@ The hierarchy::
     ├── TreeFormatError (also ValueError)         a saved tree is truncated, edited or foreign
     ├── TreeLockError (also TimeoutError)         another process kept a tree directory locked too long
     ├── CacheError                                the build cache is damaged, foreign, newer or locked
+    ├── BudgetExceededError                       the next LLM call would take spend past the build's cap
     └── BackendError                              a model or service failed
         ├── EmbeddingError                        the embedder failed or returned unusable vectors
         │   └── EmbeddingResponseError            the service kept answering 200 with an invalid body
         ├── SummarizationError                    the summariser failed or returned nothing usable
         └── LLMError                              a chat/completion model failed or returned garbage
             ├── LLMTimeoutError                   it did not answer in time, even after retries
+            ├── LLMBatchError                     a batch job failed, expired, was cancelled or is still running
             └── LLMAuthenticationError            credentials or request rejected: retrying cannot help
                 └── LLMRequestError               the request itself: unknown model, bad parameter
                     └── LLMResponseError          the service kept answering 200 with an invalid body
@@ -28,12 +30,14 @@ from __future__ import annotations
 
 __all__ = [
     "BackendError",
+    "BudgetExceededError",
     "CacheError",
     "EmbeddingError",
     "EmbeddingResponseError",
     "InvalidInputError",
     "InvalidParameterError",
     "LLMAuthenticationError",
+    "LLMBatchError",
     "LLMError",
     "LLMRequestError",
     "LLMResponseError",
@@ -74,6 +78,44 @@ class CacheError(RaptorError):
     """
 
 
+class BudgetExceededError(RaptorError):
+    """A build stopped before an LLM call whose worst case would take spend past its cap.
+
+    Raised by :class:`~raptor_core.build.builder.TreeBuilder` with a
+    :class:`~raptor_core.build.budget.LLMBudget`.  Nothing beyond the cap was requested, and the
+    calls still in flight were waited for, so every answer paid for is in the build cache: rerun
+    with the same cache and a higher cap and they are cache hits that cost nothing.
+
+    Attributes:
+        spent_usd: what the build's summary calls cost (None without prices).
+        spent_tokens: prompt plus completion tokens of the build's summary calls.
+        calls: summary calls answered.
+        max_cost_usd, max_summary_tokens: the caps (None: not capped).
+        needed_usd, needed_tokens: the worst case of the call that was not made.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        spent_usd: float | None = None,
+        spent_tokens: int = 0,
+        calls: int = 0,
+        max_cost_usd: float | None = None,
+        max_summary_tokens: int | None = None,
+        needed_usd: float | None = None,
+        needed_tokens: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.spent_usd = spent_usd
+        self.spent_tokens = spent_tokens
+        self.calls = calls
+        self.max_cost_usd = max_cost_usd
+        self.max_summary_tokens = max_summary_tokens
+        self.needed_usd = needed_usd
+        self.needed_tokens = needed_tokens
+
+
 class TreeLockError(RaptorError, TimeoutError):
     """Another process held a tree directory's save lock for longer than the save waits."""
 
@@ -103,6 +145,24 @@ class LLMError(BackendError):
 
 class LLMTimeoutError(LLMError):
     """A model call timed out, after all retries."""
+
+
+class LLMBatchError(LLMError):
+    """A batch job (OpenAI Batch API) failed, expired or was cancelled, or outlived the wait.
+
+    The message says what to do: a job that is still running is picked up again by a rerun
+    with the same build cache; a failed one is forgotten, so a rerun submits a new one.
+
+    Attributes:
+        batch_id: the service's id of the job.
+        status: its last known status (``"failed"``, ``"expired"``, ``"cancelled"``, or the
+            status it was in when the wait ran out).
+    """
+
+    def __init__(self, message: str, *, batch_id: str = "", status: str = "") -> None:
+        super().__init__(message)
+        self.batch_id = batch_id
+        self.status = status
 
 
 class LLMAuthenticationError(LLMError):

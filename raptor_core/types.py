@@ -22,6 +22,7 @@ __all__ = [
     "AsyncEmbedder",
     "AsyncLLM",
     "AsyncSummarizer",
+    "BatchSummarizer",
     "Chunk",
     "Chunker",
     "Clusterer",
@@ -30,6 +31,7 @@ __all__ = [
     "Match",
     "NodeFilter",
     "NodeStore",
+    "SpanEmbedder",
     "Summarizer",
     "Tokenizer",
     "VectorIndex",
@@ -92,6 +94,23 @@ class Embedder(Protocol):
 
 
 @runtime_checkable
+class SpanEmbedder(Protocol):
+    """Optional: an embedder that also returns vectors of character spans inside each text.
+
+    A span's vector pools the model's *contextual* token vectors over that span, from the same
+    forward pass as the text's own vector, so span vectors cost nothing extra.  The default
+    extractive summariser uses them as sentence vectors (see
+    :class:`~raptor_core.build.summarizers.ExtractiveSummarizer`).
+    """
+
+    def embed_spans(
+        self, texts: Sequence[str], spans: Sequence[Sequence[tuple[int, int]]]
+    ) -> tuple[NDArray[np.float32], list[NDArray[np.float32]]]:
+        """Return ``embed_documents(texts)`` and, per text, a ``(len(spans[i]), d)`` array."""
+        ...
+
+
+@runtime_checkable
 class AsyncEmbedder(Protocol):
     """Optional async twin of :class:`Embedder`; without it, a thread pool is used."""
 
@@ -112,6 +131,20 @@ class AsyncSummarizer(Protocol):
     """Optional async twin of :class:`Summarizer`."""
 
     async def asummarize(self, texts: Sequence[str], *, max_tokens: int) -> str: ...
+
+
+@runtime_checkable
+class BatchSummarizer(Protocol):
+    """Optional seam: summarise many clusters in one go (one entry per cluster, in order).
+
+    When the summariser has it, the builder hands it every cluster of a layer at once
+    (after the build cache has answered what it could), instead of one call per cluster: an
+    extractive summariser embeds all sentences in one call, a batch API submits one job.
+    """
+
+    def summarize_batch(
+        self, clusters: Sequence[Sequence[str]], *, max_tokens: int
+    ) -> list[str]: ...
 
 
 @runtime_checkable

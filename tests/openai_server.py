@@ -12,7 +12,16 @@ the way OpenAI, vLLM or Ollama would, so the real ``openai`` client can talk to 
   401/400/404, and 200 responses with an invalid body: an HTML page, cut JSON, JSON without
   ``choices``/``data``, non-text content, a wrong count or size of embeddings, non-numbers),
   a required API key, a model list, and an ``on_request`` hook;
-* it records every request (:class:`Record`) and the peak number of requests in flight.
+* it records every request (:class:`Record`) and the peak number of requests in flight;
+* the Batch API: ``POST /v1/files`` (multipart upload), ``GET /v1/files/{id}/content``,
+  ``POST /v1/batches``, ``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``.  A batch
+  stays ``in_progress`` for ``batch_polls`` retrievals, then ends as ``batch_outcome`` says;
+  a completed one answers each JSONL line through the same chat handler (per-line faults
+  come from the fault plan with endpoint ``"batch"`` and the line's ``custom_id``:
+  ``"error"``, ``"missing"``, ``"empty"``, ``"truncated"``).  ``batches`` and ``files``
+  hold what was created, so tests can assert that no second batch was submitted;
+* a rate-limit mode (:class:`RateLimit`): ``x-ratelimit-*`` headers on every chat and
+  embeddings answer, and a 429 for a request over the window (counted in ``rate_limited``).
 
 Use it as a context manager::
 
@@ -24,9 +33,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import email.parser
+import email.policy
 import hashlib
 import importlib.util
+import itertools
 import json
+import math
 import random
 import re
 import socket
@@ -50,6 +63,7 @@ __all__ = [
     "FakeOpenAIServer",
     "FaultPlan",
     "GroupClusterer",
+    "RateLimit",
     "Record",
     "fake_completion",
     "fake_embedding",
@@ -163,6 +177,34 @@ def faults_in_order(*kinds: str | None, endpoint: str = "chat") -> FaultPlan:
 
 
 @dataclass
+class RateLimit:
+    """Fixed-window limits of the server's rate-limit mode.
+
+    Args:
+        requests: requests allowed per window.
+        tokens: tokens allowed per window (a request costs ceil(characters / 4) of its
+            messages or inputs, plus its ``max_tokens``, as OpenAI's estimate does).
+        window: window length in seconds; a window starts with the first request after the
+            previous one ended.  Chat and embeddings have a window each (OpenAI limits each
+            model on its own).
+        enforce: answer 429 over the limit (False: only send the headers).
+    """
+
+    requests: int = 1_000_000
+    tokens: int = 1_000_000_000
+    window: float = 1.0
+    enforce: bool = True
+
+
+def _format_duration(seconds: float) -> str:
+    """OpenAI's style: ``"20ms"``, ``"1.500s"``, ``"6m0.000s"``."""
+    if seconds < 1.0:
+        return f"{max(1, math.ceil(seconds * 1000))}ms"
+    minutes, rest = divmod(seconds, 60.0)
+    return f"{int(minutes)}m{rest:.3f}s" if minutes else f"{rest:.3f}s"
+
+
+@dataclass
 class Record:
     """One request the server received."""
 
@@ -205,11 +247,17 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def do_POST(self) -> None:
-        self.server.fake._handle(self)
+        path = self.path.rstrip("/")
+        if path.endswith(("/files", "/batches")) or "/batches/" in path:
+            self.server.fake._batch_api(self, "POST")
+        else:
+            self.server.fake._handle(self)
 
     def do_GET(self) -> None:
         fake = self.server.fake
-        if self.path.rstrip("/").endswith("/models"):
+        if "/files/" in self.path or "/batches/" in self.path:
+            fake._batch_api(self, "GET")
+        elif self.path.rstrip("/").endswith("/models"):
             names = sorted(fake.models) if fake.models is not None else ["fake-chat", "fake-embed"]
             fake._send(
                 self, 200, {"object": "list", "data": [{"id": n, "object": "model"} for n in names]}
@@ -234,6 +282,11 @@ class FakeOpenAIServer:
         slow_seconds: how long a ``"slow"`` fault stalls before answering.
         on_request: called with each :class:`Record` before it is answered (for example to
             SIGKILL a client at a chosen request).
+        batch_polls: retrievals a batch answers ``in_progress`` before it ends.
+        batch_outcome: how batches end: ``"completed"``, ``"failed"``, ``"expired"``.
+        batch_partial: lines an expired or cancelled batch answered before it ended (its
+            output file holds them, as OpenAI's does).
+        rate_limit: the rate-limit mode's windows (None: no headers, no limits).
         completion: ``completion(prompt, max_tokens) -> str`` writes the chat answers
             (:func:`fake_completion` by default; tests of LLM-guided search script JSON).
     """
@@ -251,8 +304,24 @@ class FakeOpenAIServer:
         slow_seconds: float = 1.0,
         on_request: Callable[[Record], None] | None = None,
         completion: Callable[[str, int | None], str] = fake_completion,
+        batch_polls: int = 0,
+        batch_outcome: str = "completed",
+        batch_partial: int = 0,
+        rate_limit: RateLimit | None = None,
     ) -> None:
         self.completion = completion
+        self.batch_polls = batch_polls
+        self.batch_outcome = batch_outcome
+        self.batch_partial = batch_partial
+        self.rate_limit = rate_limit
+        self.rate_limited = 0  # requests answered 429 by the rate-limit mode
+        self.batches: dict[str, dict[str, Any]] = {}
+        self.files: dict[str, bytes] = {}
+        self.batch_retrievals = 0
+        self._batch_state: dict[str, int] = {}  # id -> retrievals left before it ends
+        self._ids = itertools.count(1)
+        # Per endpoint, as OpenAI limits each model on its own: (start, [requests, tokens]).
+        self._windows: dict[str, tuple[float, list[int]]] = {}
         self.delay = delay
         self.embed_delay = embed_delay
         self.faults = faults
@@ -413,6 +482,16 @@ class FakeOpenAIServer:
                 handler, 404, self._error(404, message, "invalid_request_error", "model_not_found")
             )
             return
+        limit_headers = self._rate_limit(endpoint, body)
+        if limit_headers is not None and limit_headers.pop("over", ""):
+            record.status = 429
+            self._send(
+                handler,
+                429,
+                self._error(429, "Rate limit reached", "requests", "rate_limit_exceeded"),
+                limit_headers,
+            )
+            return
         fault = (
             self.faults(endpoint, record.key, record.attempt) if self.faults is not None else None
         )
@@ -462,7 +541,214 @@ class FakeOpenAIServer:
             data = json.dumps(payload).encode("utf-8")
             self._send_raw(handler, 200, data[: len(data) // 2], "application/json")
         else:
-            self._send(handler, 200, payload)
+            self._send(handler, 200, payload, limit_headers)
+
+    # -- rate-limit mode -------------------------------------------------------------------------
+    @staticmethod
+    def request_tokens(body: dict[str, Any]) -> int:
+        """What the rate-limit mode charges for a request (see :class:`RateLimit`)."""
+        if "messages" in body:
+            texts = [str(m.get("content") or "") for m in body.get("messages") or []]
+        else:
+            raw = body.get("input", [])
+            texts = [raw] if isinstance(raw, str) else [str(t) for t in raw]
+        limit = body.get("max_tokens") or body.get("max_completion_tokens") or 0
+        return sum(math.ceil(len(t) / 4) for t in texts) + int(limit)
+
+    def _rate_limit(self, endpoint: str, body: dict[str, Any]) -> dict[str, str] | None:
+        """Count the request in its endpoint's window; the headers (``"over"``: over it)."""
+        limit = self.rate_limit
+        if limit is None:
+            return None
+        tokens = self.request_tokens(body)
+        with self._lock:
+            now = time.monotonic()
+            start, used = self._windows.get(endpoint, (-math.inf, [0, 0]))
+            if now >= start + limit.window:
+                start, used = now, [0, 0]
+                self._windows[endpoint] = (start, used)
+            over = used[0] + 1 > limit.requests or used[1] + tokens > limit.tokens
+            if over and limit.enforce:
+                self.rate_limited += 1
+            else:
+                used[0] += 1
+                used[1] += tokens
+            reset = _format_duration(start + limit.window - now)
+            headers = {
+                "x-ratelimit-limit-requests": str(limit.requests),
+                "x-ratelimit-limit-tokens": str(limit.tokens),
+                "x-ratelimit-remaining-requests": str(max(0, limit.requests - used[0])),
+                "x-ratelimit-remaining-tokens": str(max(0, limit.tokens - used[1])),
+                "x-ratelimit-reset-requests": reset,
+                "x-ratelimit-reset-tokens": reset,
+            }
+            if over and limit.enforce:
+                headers["over"] = "1"
+            return headers
+
+    # -- batch API -------------------------------------------------------------------------------
+    def _batch_api(self, handler: _Handler, method: str) -> None:
+        path = handler.path.rstrip("/").split("?", 1)[0]
+        length = int(handler.headers.get("Content-Length") or 0)
+        raw = handler.rfile.read(length) if length else b""
+        record = Record(
+            endpoint="batch-api", body={"method": method, "path": path}, key=path, attempt=0
+        )
+        with self._lock:
+            self.log.append(record)
+        parts = path.split("/")
+        try:
+            if method == "POST" and path.endswith("/files"):
+                status, payload = self._upload(handler, raw)
+            elif method == "GET" and parts[-1] == "content":
+                data = self.files.get(parts[-2])
+                if data is not None:
+                    record.status, record.ok = 200, True
+                    self._send_raw(handler, 200, data, "application/octet-stream")
+                    return
+                status, payload = 404, self._error(404, "no such file", "invalid_request_error")
+            elif method == "POST" and path.endswith("/batches"):
+                status, payload = self._create_batch(json.loads(raw or b"{}"))
+            elif method == "POST" and parts[-1] == "cancel":
+                status, payload = self._cancel_batch(parts[-2])
+            elif method == "GET" and parts[-2] == "batches":
+                status, payload = self._retrieve_batch(parts[-1])
+            else:
+                status, payload = 404, self._error(404, f"no route {path}", "invalid_request_error")
+        except (ValueError, KeyError) as exc:
+            status, payload = 400, self._error(400, f"bad request: {exc}", "invalid_request_error")
+        record.status, record.ok = status, status == 200
+        self._send(handler, status, payload)
+
+    def _upload(self, handler: _Handler, raw: bytes) -> tuple[int, dict[str, Any]]:
+        header = f"Content-Type: {handler.headers.get('Content-Type', '')}\r\n\r\n".encode()
+        message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(header + raw)
+        fields: dict[str, tuple[str | None, bytes]] = {}
+        for part in message.iter_parts():  # type: ignore[attr-defined]
+            name = part.get_param("name", header="content-disposition")
+            data = part.get_payload(decode=True)
+            fields[str(name)] = (part.get_filename(), data if isinstance(data, bytes) else b"")
+        if fields.get("purpose", (None, b""))[1] != b"batch" or "file" not in fields:
+            return 400, self._error(
+                400, "expected a file and purpose=batch", "invalid_request_error"
+            )
+        filename, data = fields["file"]
+        with self._lock:
+            file_id = f"file-{next(self._ids)}"
+            self.files[file_id] = data
+        return 200, {
+            "id": file_id,
+            "object": "file",
+            "bytes": len(data),
+            "created_at": int(time.time()),
+            "filename": filename or "upload.jsonl",
+            "purpose": "batch",
+            "status": "processed",
+        }
+
+    def _create_batch(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        input_id = str(body["input_file_id"])
+        if input_id not in self.files:
+            return 404, self._error(404, f"no file {input_id}", "invalid_request_error")
+        if body.get("endpoint") != "/v1/chat/completions" or body.get("completion_window") != "24h":
+            return 400, self._error(400, "unsupported endpoint or window", "invalid_request_error")
+        lines = [x for x in self.files[input_id].decode("utf-8").splitlines() if x.strip()]
+        for line in lines:
+            json.loads(line)  # a broken line fails the request, as validation would
+        with self._lock:
+            batch_id = f"batch_{next(self._ids)}"
+            batch = {
+                "id": batch_id,
+                "object": "batch",
+                "endpoint": body["endpoint"],
+                "errors": None,
+                "input_file_id": input_id,
+                "completion_window": body["completion_window"],
+                "status": "in_progress",
+                "output_file_id": None,
+                "error_file_id": None,
+                "created_at": int(time.time()),
+                "request_counts": {"total": len(lines), "completed": 0, "failed": 0},
+                "metadata": body.get("metadata"),
+            }
+            self.batches[batch_id] = batch
+            self._batch_state[batch_id] = self.batch_polls
+            return 200, dict(batch)
+
+    def release_batches(self) -> None:
+        """Let every batch still in progress end at its next retrieval."""
+        with self._lock:
+            for batch_id in self._batch_state:
+                self._batch_state[batch_id] = 0
+
+    def _cancel_batch(self, batch_id: str) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            batch = self.batches.get(batch_id)
+            if batch is None:
+                return 404, self._error(404, f"no batch {batch_id}", "invalid_request_error")
+            if batch["status"] == "in_progress":
+                self._run_batch(batch, limit=self.batch_partial, status="cancelled")
+            return 200, dict(batch)
+
+    def _retrieve_batch(self, batch_id: str) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            self.batch_retrievals += 1
+            batch = self.batches.get(batch_id)
+            if batch is None:
+                return 404, self._error(404, f"no batch {batch_id}", "invalid_request_error")
+            if batch["status"] != "in_progress":
+                return 200, dict(batch)
+            left = self._batch_state[batch_id]
+            if left > 0:
+                self._batch_state[batch_id] = left - 1
+                return 200, dict(batch)
+            if self.batch_outcome == "failed":
+                batch["status"] = "failed"
+                batch["errors"] = {
+                    "object": "list",
+                    "data": [{"code": "invalid_model", "message": "injected failure", "line": 1}],
+                }
+            elif self.batch_outcome == "expired":
+                self._run_batch(batch, limit=self.batch_partial, status="expired")
+            else:
+                self._run_batch(batch)
+            return 200, dict(batch)
+
+    def _run_batch(
+        self, batch: dict[str, Any], *, limit: int | None = None, status: str = "completed"
+    ) -> None:
+        """Answer the lines (the first ``limit``) with the chat handler (lock held)."""
+        lines = list(filter(str.strip, self.files[batch["input_file_id"]].decode().splitlines()))
+        out, errors = [], []
+        for line in lines[:limit]:
+            item = json.loads(line)
+            custom_id = item["custom_id"]
+            fault = self.faults("batch", custom_id, 0) if self.faults is not None else None
+            if fault == "missing":
+                continue
+            row: dict[str, Any] = {"id": f"batch_req_{next(self._ids)}", "custom_id": custom_id}
+            if fault == "error":
+                error = self._error(500, "injected", "server_error")
+                row["response"] = {"status_code": 500, "request_id": "req", "body": error}
+                row["error"] = None
+                errors.append(row)
+                continue
+            body = self._chat(item["body"], fault)
+            row["response"] = {"status_code": 200, "request_id": "req", "body": body}
+            row["error"] = None
+            out.append(row)
+        out.reverse()  # clients must match answers by custom_id, not by position
+        for name, rows in (("output_file_id", out), ("error_file_id", errors)):
+            if rows:
+                file_id = f"file-{next(self._ids)}"
+                self.files[file_id] = "".join(json.dumps(r) + "\n" for r in rows).encode()
+                batch[name] = file_id
+        batch["status"] = status
+        batch["request_counts"] = {
+            "total": len(lines),
+            "completed": len(out),
+            "failed": len(errors),
+        }
 
     def _chat(self, body: dict[str, Any], fault: str | None) -> dict[str, Any]:
         messages = body.get("messages") or []

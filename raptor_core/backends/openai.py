@@ -29,8 +29,10 @@ import logging
 import math
 import os
 import random
+import re
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
@@ -89,6 +91,9 @@ class Usage:
             (billed tokens, including those of answers that were retried).
         retries: requests that failed and were retried.
         truncated: completions cut at ``max_tokens`` that were kept.
+        paced: requests held back by rate-limit pacing (appears after the first).
+        batches, batch_requests, batch_fallbacks: Batch API jobs submitted, the requests in
+            them, and those answered per call instead (``OpenAIBatchSummarizer`` only).
 
     The builder snapshots ``usage`` before and after each layer to report per-layer cost.
     """
@@ -157,6 +162,203 @@ def _tokens(value: object) -> int:
     return value
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+_DURATION_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+#: Seconds a request that cannot be placed in any known window waits before looking again
+#: (the window is full of requests still in flight, whose answers will tell more).
+_PACE_POLL = 0.05
+# Headers whose window end differs by less than this are about the same window.
+_SAME_WINDOW = 0.05
+
+
+def _duration(raw: str | None) -> float | None:
+    """Seconds of a rate-limit reset header: ``"1s"``, ``"6m0s"``, ``"20ms"``, ``"1.5"``."""
+    if not raw:
+        return None
+    text = raw.strip().lower()
+    try:
+        value = float(text)
+    except ValueError:
+        parts = _DURATION.findall(text)
+        if not parts or "".join(n + u for n, u in parts) != text:
+            return None
+        value = sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+def _count(raw: str | None) -> float | None:
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+def _estimate_tokens(texts: Sequence[str], max_tokens: int | None = None) -> int:
+    """Tokens a rate limiter charges for a request (an estimate, as the limiter's own).
+
+    About four characters a token, plus the completion it may write: OpenAI reserves
+    ``max_tokens`` against the limit up front.
+    """
+    return sum(math.ceil(len(t) / 4) for t in texts) + (max_tokens or 0)
+
+
+class _Window:
+    """One limit (requests or tokens) as the server last described it."""
+
+    def __init__(self) -> None:
+        self.limit: float | None = None
+        self.remaining: float | None = None  # None: no header yet, or refilled without a limit
+        self.reset_at: float | None = None  # when the server said the window is full again
+        self.refilled = False
+
+    def refill(self, now: float, in_flight: float) -> None:
+        if self.reset_at is not None and not self.refilled and now >= self.reset_at:
+            # Requests still in flight may land in the new window: count them against it.
+            self.remaining = None if self.limit is None else self.limit - in_flight
+            self.refilled = True
+
+    def observe(
+        self,
+        now: float,
+        limit: float | None,
+        remaining: float | None,
+        reset: float | None,
+        in_flight: float,
+    ) -> None:
+        if limit is not None:
+            self.limit = limit
+        if remaining is None:
+            return
+        # The server has not counted (all of) our other requests in flight yet: subtract them.
+        adjusted = remaining - in_flight
+        reset_at = now + (reset or 0.0)
+        if self.reset_at is None or reset_at > self.reset_at + _SAME_WINDOW:
+            self.remaining, self.reset_at, self.refilled = adjusted, reset_at, False
+        elif reset_at >= self.reset_at - _SAME_WINDOW and not self.refilled:
+            # Answers arrive out of order: within one window the lowest count is the latest.
+            self.remaining = adjusted if self.remaining is None else min(self.remaining, adjusted)
+            self.reset_at = max(self.reset_at, reset_at)
+        # else: a late answer about a window that has already ended
+
+    def wait(self, now: float, need: float, in_flight: int) -> float:
+        """Seconds until ``need`` fits (0: now); ``in_flight``: requests not yet answered."""
+        if self.remaining is None:
+            return 0.0
+        if self.limit is not None:
+            need = min(need, self.limit)  # a request larger than the window fits an empty one
+        if self.remaining >= need:
+            return 0.0
+        if self.reset_at is not None and not self.refilled and self.reset_at > now:
+            return self.reset_at - now
+        # The window has reset since the last news: wait for the answers in flight to bring
+        # more, or, with none left to come (they failed without headers), go and find out.
+        return _PACE_POLL if in_flight else 0.0
+
+
+class _RatePacer:
+    """Holds requests back while the service's rate-limit window is used up.
+
+    It reads the ``x-ratelimit-*`` headers of every answer (requests and tokens: limit,
+    remaining, time to reset) and the optional caps of the caller (a sliding minute), and
+    :meth:`reserve` tells a request how long to wait before it may go.  One pacer serves every
+    thread and task of a service object: reservations are taken under a lock held for
+    microseconds, never across a wait, so a sync caller sleeps and an async one awaits.
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> None:
+        self.clock = clock
+        self.sleep = sleep  # tests pass a fake clock and sleep
+        self._lock = threading.Lock()
+        self._requests = _Window()
+        self._tokens = _Window()
+        self._in_flight = 0
+        self._in_flight_tokens = 0
+        self._answered = False  # no answer yet: its headers, if any, are still unknown
+        self._sent: deque[tuple[float, int]] = deque()  # (when, tokens) of the last minute
+
+    def _cap_wait(self, now: float, tokens: int, rpm: int | None, tpm: int | None) -> float:
+        while self._sent and self._sent[0][0] <= now - 60.0:
+            self._sent.popleft()
+        wait = 0.0
+        if rpm is not None and len(self._sent) >= rpm:
+            wait = self._sent[len(self._sent) - rpm][0] + 60.0 - now
+        if tpm is not None:
+            need = min(tokens, tpm)
+            used = sum(t for _, t in self._sent)
+            for when, spent in self._sent:  # the oldest expire first
+                if used + need <= tpm:
+                    break
+                used -= spent
+                wait = max(wait, when + 60.0 - now)
+        return wait
+
+    def reserve(self, tokens: int, *, rpm: int | None = None, tpm: int | None = None) -> float:
+        """Seconds to wait before asking again, or 0.0: the request may go now.
+
+        A request let go is counted in flight until :meth:`done`.  ``rpm``/``tpm``: the
+        caller's own caps.
+        """
+        with self._lock:
+            if not self._answered and self._in_flight:
+                # The first request goes alone: a burst sent before any answer has told us
+                # the limits could be over them at once (many tasks start together).
+                return _PACE_POLL
+            now = self.clock()
+            self._requests.refill(now, self._in_flight)
+            self._tokens.refill(now, self._in_flight_tokens)
+            wait = max(
+                self._requests.wait(now, 1, self._in_flight),
+                self._tokens.wait(now, tokens, self._in_flight),
+                self._cap_wait(now, tokens, rpm, tpm),
+            )
+            if wait > 0:
+                return wait
+            for window, need in ((self._requests, 1), (self._tokens, tokens)):
+                if window.remaining is not None:
+                    window.remaining -= need
+            self._in_flight += 1
+            self._in_flight_tokens += tokens
+            self._sent.append((now, tokens))
+            return 0.0
+
+    def observe(self, headers: Mapping[str, str] | None, tokens: int) -> None:
+        """Read an answer's rate-limit headers (the request is still counted in flight)."""
+        if not headers:
+            return
+        get = headers.get
+        with self._lock:
+            now = self.clock()
+            self._requests.observe(
+                now,
+                _count(get("x-ratelimit-limit-requests")),
+                _count(get("x-ratelimit-remaining-requests")),
+                _duration(get("x-ratelimit-reset-requests")),
+                self._in_flight - 1,
+            )
+            self._tokens.observe(
+                now,
+                _count(get("x-ratelimit-limit-tokens")),
+                _count(get("x-ratelimit-remaining-tokens")),
+                _duration(get("x-ratelimit-reset-tokens")),
+                self._in_flight_tokens - tokens,
+            )
+
+    def done(self, tokens: int) -> None:
+        """The request reserved with ``tokens`` has its answer (or failed)."""
+        with self._lock:
+            self._in_flight -= 1
+            self._in_flight_tokens -= tokens
+            self._answered = True
+
+
 class _OpenAIService:
     """Connection settings, clients and the retry loop shared by the chat and embedding classes."""
 
@@ -166,7 +368,17 @@ class _OpenAIService:
     _invalid_error: ClassVar[type[RaptorError]] = LLMResponseError
     #: Parameters that change how a call is made, not what it returns (left out of cache keys).
     cache_ignore: ClassVar[frozenset[str]] = frozenset(
-        {"base_url", "timeout", "max_retries", "backoff", "max_backoff", "max_concurrency"}
+        {
+            "base_url",
+            "timeout",
+            "max_retries",
+            "backoff",
+            "max_backoff",
+            "max_concurrency",
+            "pacing",
+            "max_requests_per_minute",
+            "max_tokens_per_minute",
+        }
     )
 
     def __init__(
@@ -179,6 +391,9 @@ class _OpenAIService:
         max_retries: int,
         backoff: float,
         max_backoff: float,
+        pacing: bool = True,
+        max_requests_per_minute: int | None = None,
+        max_tokens_per_minute: int | None = None,
     ) -> None:
         self.model = model
         self.base_url = base_url
@@ -187,15 +402,19 @@ class _OpenAIService:
         self.max_retries = max_retries
         self.backoff = backoff
         self.max_backoff = max_backoff
+        self.pacing = pacing
+        self.max_requests_per_minute = max_requests_per_minute
+        self.max_tokens_per_minute = max_tokens_per_minute
         self.usage = Usage(self._usage_fields)
         self._lock = threading.Lock()
         self._client: Any = None
         self._aclients: dict[int, Any] = {}
+        self._pacer = _RatePacer()
 
     # -- pickling / copying: clients and locks are rebuilt, the key travels -----------------------
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_lock", "_client", "_aclients"):
+        for name in ("_lock", "_client", "_aclients", "_pacer"):
             state.pop(name, None)
         return state
 
@@ -204,6 +423,7 @@ class _OpenAIService:
         self._lock = threading.Lock()
         self._client = None
         self._aclients = {}
+        self._pacer = _RatePacer()
 
     def __repr__(self) -> str:
         where = f", base_url={self.base_url!r}" if self.base_url else ""
@@ -231,6 +451,16 @@ class _OpenAIService:
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             msg = f"{type(self).__name__}: max_retries must be an integer >= 0, got {retries!r}"
             raise InvalidParameterError(msg)
+        if not isinstance(self.pacing, bool):
+            msg = f"{type(self).__name__}: pacing must be True or False, got {self.pacing!r}"
+            raise InvalidParameterError(msg)
+        for name in ("max_requests_per_minute", "max_tokens_per_minute"):
+            cap = getattr(self, name)
+            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+                msg = (
+                    f"{type(self).__name__}: {name} must be a positive integer or None, got {cap!r}"
+                )
+                raise InvalidParameterError(msg)
 
     def check_settings(self) -> None:
         """Validate the parameters and that an API key is available, without any request.
@@ -425,25 +655,84 @@ class _OpenAIService:
             )
         return LLMRequestError(msg)
 
-    def _call(self, attempt_fn: Callable[[], T]) -> T:
+    # -- pacing --------------------------------------------------------------------------------
+    def _paced(self, cost: int | None) -> bool:
+        return cost is not None and (
+            self.pacing is True
+            or self.max_requests_per_minute is not None
+            or self.max_tokens_per_minute is not None
+        )
+
+    def _reserve(self, cost: int) -> float:
+        wait = self._pacer.reserve(
+            cost, rpm=self.max_requests_per_minute, tpm=self.max_tokens_per_minute
+        )
+        if wait > 0:
+            logger.debug("%s: rate limit: waiting %.2fs", self._where(), wait)
+        return wait
+
+    def _turn(self, cost: int) -> None:
+        """Wait (sleeping) until the pacer lets a request of ``cost`` tokens go."""
+        counted = False
+        while (wait := self._reserve(cost)) > 0:
+            if not counted:
+                self.usage.add(paced=1)
+                counted = True
+            self._pacer.sleep(wait)
+
+    async def _aturn(self, cost: int) -> None:
+        """Async :meth:`_turn`: other tasks run while this one waits."""
+        counted = False
+        while (wait := self._reserve(cost)) > 0:
+            if not counted:
+                self.usage.add(paced=1)
+                counted = True
+            await asyncio.sleep(wait)
+
+    def _observe(self, headers: Any, cost: int | None) -> None:
+        """Feed an answer's rate-limit headers to the pacer (for paced requests)."""
+        if cost is not None and self.pacing is True:
+            self._pacer.observe(headers, cost)
+
+    def _call(self, attempt_fn: Callable[[], T], *, cost: int | None = None) -> T:
+        """``attempt_fn()`` with retries; ``cost`` (estimated tokens) paces it (None: not)."""
+        paced = self._paced(cost)
         for attempt in range(self.max_retries + 1):
+            if paced:
+                self._turn(cost or 0)
             self.usage.add(requests=1)
             try:
                 return attempt_fn()
             except Exception as exc:
+                self._observe(_headers_of(exc), cost)
                 delay = self._decide(exc, attempt)
+            finally:
+                if paced:
+                    self._pacer.done(cost or 0)
             time.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _acall(self, attempt_fn: Callable[[], Awaitable[T]]) -> T:
+    async def _acall(self, attempt_fn: Callable[[], Awaitable[T]], *, cost: int | None = None) -> T:
+        paced = self._paced(cost)
         for attempt in range(self.max_retries + 1):
+            if paced:
+                await self._aturn(cost or 0)
             self.usage.add(requests=1)
             try:
                 return await attempt_fn()
             except Exception as exc:
+                self._observe(_headers_of(exc), cost)
                 delay = self._decide(exc, attempt)
+            finally:
+                if paced:
+                    self._pacer.done(cost or 0)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _headers_of(exc: BaseException) -> Any:
+    """The HTTP headers of a failed request's answer (None without one)."""
+    return getattr(getattr(exc, "response", None), "headers", None)
 
 
 def _server_message(exc: Any) -> str:
@@ -565,6 +854,13 @@ class OpenAIChatLLM(_OpenAIService):
             are never retried.
         backoff: first backoff step in seconds; doubles at each retry up to ``max_backoff``.
         max_backoff: cap of one backoff step (``Retry-After`` is honoured as sent).
+        pacing: read the ``x-ratelimit-*`` headers of every answer and hold later requests
+            (of every thread and task using this object) while the server's request or token
+            window is used up, instead of provoking 429s.  Servers that send no such headers
+            are not slowed down.
+        max_requests_per_minute, max_tokens_per_minute: your own caps over any sliding
+            minute (None: none); tokens are estimated as the rate limiter does (about four
+            characters a token, plus ``max_tokens``).
 
     Examples:
         >>> llm = OpenAIChatLLM("llama3.1", base_url="http://localhost:11434/v1")
@@ -588,6 +884,9 @@ class OpenAIChatLLM(_OpenAIService):
         max_retries: int = 6,
         backoff: float = 0.5,
         max_backoff: float = 30.0,
+        pacing: bool = True,
+        max_requests_per_minute: int | None = None,
+        max_tokens_per_minute: int | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -597,6 +896,9 @@ class OpenAIChatLLM(_OpenAIService):
             max_retries=max_retries,
             backoff=backoff,
             max_backoff=max_backoff,
+            pacing=pacing,
+            max_requests_per_minute=max_requests_per_minute,
+            max_tokens_per_minute=max_tokens_per_minute,
         )
         self.system_prompt = system_prompt
         self.temperature = temperature
@@ -616,6 +918,9 @@ class OpenAIChatLLM(_OpenAIService):
             "max_retries": self.max_retries,
             "backoff": self.backoff,
             "max_backoff": self.max_backoff,
+            "pacing": self.pacing,
+            "max_requests_per_minute": self.max_requests_per_minute,
+            "max_tokens_per_minute": self.max_tokens_per_minute,
         }
 
     def _validate(self) -> None:
@@ -647,6 +952,10 @@ class OpenAIChatLLM(_OpenAIService):
         if max_tokens is not None:
             request[self.max_tokens_param] = max_tokens
         return request
+
+    def _cost(self, request: Mapping[str, Any]) -> int:
+        texts = [str(m.get("content") or "") for m in request["messages"]]
+        return _estimate_tokens(texts, request.get(self.max_tokens_param))
 
     def _answer(self, response: Any, attempts: _AttemptCounter) -> str:
         if isinstance(response, str):
@@ -710,11 +1019,15 @@ class OpenAIChatLLM(_OpenAIService):
         client = self._sync_client()
         attempts = _AttemptCounter(self.max_retries)
 
+        cost = self._cost(request)
+
         def attempt() -> str:
             attempts.next()
-            return self._answer(client.chat.completions.create(**request), attempts)
+            raw = client.chat.completions.with_raw_response.create(**request)
+            self._observe(raw.headers, cost)
+            return self._answer(raw.parse(), attempts)
 
-        return self._call(attempt)
+        return self._call(attempt, cost=cost)
 
     async def acomplete(self, prompt: str, *, max_tokens: int | None = None) -> str:
         """Async :meth:`complete` on the async client (one per event loop)."""
@@ -722,11 +1035,15 @@ class OpenAIChatLLM(_OpenAIService):
         client = self._async_client()
         attempts = _AttemptCounter(self.max_retries)
 
+        cost = self._cost(request)
+
         async def attempt() -> str:
             attempts.next()
-            return self._answer(await client.chat.completions.create(**request), attempts)
+            raw = await client.chat.completions.with_raw_response.create(**request)
+            self._observe(raw.headers, cost)
+            return self._answer(raw.parse(), attempts)
 
-        return await self._acall(attempt)
+        return await self._acall(attempt, cost=cost)
 
 
 class _AttemptCounter:
@@ -758,7 +1075,8 @@ class OpenAISummarizer(LLMSummarizer):
         prompt: template with ``{context}``; the paper's prompt by default.
         separator: joins a cluster's texts into the context.
         base_url, api_key, system_prompt, temperature, max_tokens_param, on_truncated,
-            timeout, max_retries, backoff, max_backoff: as :class:`OpenAIChatLLM`.
+            timeout, max_retries, backoff, max_backoff, pacing, max_requests_per_minute,
+            max_tokens_per_minute: as :class:`OpenAIChatLLM`.
 
     Examples:
         >>> from raptor_core import TreeBuilder
@@ -784,6 +1102,9 @@ class OpenAISummarizer(LLMSummarizer):
         max_retries: int = 6,
         backoff: float = 0.5,
         max_backoff: float = 30.0,
+        pacing: bool = True,
+        max_requests_per_minute: int | None = None,
+        max_tokens_per_minute: int | None = None,
     ) -> None:
         llm = OpenAIChatLLM(
             model,
@@ -797,6 +1118,9 @@ class OpenAISummarizer(LLMSummarizer):
             max_retries=max_retries,
             backoff=backoff,
             max_backoff=max_backoff,
+            pacing=pacing,
+            max_requests_per_minute=max_requests_per_minute,
+            max_tokens_per_minute=max_tokens_per_minute,
         )
         super().__init__(llm, prompt=prompt, separator=separator)
         self.llm: OpenAIChatLLM = llm
@@ -847,7 +1171,8 @@ class OpenAIEmbedder(_OpenAIService):
         batch_size: texts per request (OpenAI accepts up to 2,048).
         dimensions: shorten vectors to this size (``text-embedding-3-*`` only).
         max_concurrency: batches in flight at once.
-        timeout, max_retries, backoff, max_backoff: as :class:`OpenAIChatLLM`.
+        timeout, max_retries, backoff, max_backoff, pacing, max_requests_per_minute,
+            max_tokens_per_minute: as :class:`OpenAIChatLLM`.
 
     Examples:
         >>> embedder = OpenAIEmbedder("nomic-embed-text", base_url="http://localhost:11434/v1")
@@ -873,6 +1198,9 @@ class OpenAIEmbedder(_OpenAIService):
         max_retries: int = 6,
         backoff: float = 0.5,
         max_backoff: float = 30.0,
+        pacing: bool = True,
+        max_requests_per_minute: int | None = None,
+        max_tokens_per_minute: int | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -882,6 +1210,9 @@ class OpenAIEmbedder(_OpenAIService):
             max_retries=max_retries,
             backoff=backoff,
             max_backoff=max_backoff,
+            pacing=pacing,
+            max_requests_per_minute=max_requests_per_minute,
+            max_tokens_per_minute=max_tokens_per_minute,
         )
         self.batch_size = batch_size
         self.dimensions = dimensions
@@ -899,6 +1230,9 @@ class OpenAIEmbedder(_OpenAIService):
             "max_retries": self.max_retries,
             "backoff": self.backoff,
             "max_backoff": self.max_backoff,
+            "pacing": self.pacing,
+            "max_requests_per_minute": self.max_requests_per_minute,
+            "max_tokens_per_minute": self.max_tokens_per_minute,
         }
 
     def _validate(self) -> None:
@@ -945,16 +1279,26 @@ class OpenAIEmbedder(_OpenAIService):
     def _embed_batch(self, batch: list[str]) -> NDArray[np.float32]:
         client = self._sync_client()
         request = self._request(batch)
-        return self._call(lambda: self._vectors(client.embeddings.create(**request), len(batch)))
+        cost = _estimate_tokens(batch)
+
+        def attempt() -> NDArray[np.float32]:
+            raw = client.embeddings.with_raw_response.create(**request)
+            self._observe(raw.headers, cost)
+            return self._vectors(raw.parse(), len(batch))
+
+        return self._call(attempt, cost=cost)
 
     async def _aembed_batch(self, batch: list[str]) -> NDArray[np.float32]:
         client = self._async_client()
         request = self._request(batch)
+        cost = _estimate_tokens(batch)
 
         async def attempt() -> NDArray[np.float32]:
-            return self._vectors(await client.embeddings.create(**request), len(batch))
+            raw = await client.embeddings.with_raw_response.create(**request)
+            self._observe(raw.headers, cost)
+            return self._vectors(raw.parse(), len(batch))
 
-        return await self._acall(attempt)
+        return await self._acall(attempt, cost=cost)
 
     def _stack(self, parts: Sequence[NDArray[np.float32]]) -> NDArray[np.float32]:
         if not parts:

@@ -226,6 +226,64 @@ class SentenceTransformerEmbedder:
         """Embed texts; returns ``(len(texts), d)`` float32."""
         return self._encode(list(texts), self.document_prompt)
 
+    def embed_spans(
+        self, texts: Sequence[str], spans: Sequence[Sequence[tuple[int, int]]]
+    ) -> tuple[NDArray[np.float32], list[NDArray[np.float32]]]:
+        """Embed texts, and pool each text's contextual token vectors over its character spans.
+
+        Returns ``embed_documents(texts)`` (from the same forward pass, equal to within float
+        rounding) and, per text, one unit vector per span: the mean of the token vectors the
+        model produced for the tokens inside the span.  The default extractive summariser uses
+        these as sentence vectors, which saves embedding every sentence a second time.  A span
+        the model did not see (cut off at its maximum sequence length), or a model whose
+        tokenizer cannot report character offsets, gets the span's text embedded on its own.
+        """
+        texts = list(texts)
+        if len(spans) != len(texts):
+            msg = f"embed_spans got {len(texts)} texts but {len(spans)} span lists"
+            raise EmbeddingError(msg)
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32), []
+        model = self.model
+        outputs = model.encode(
+            texts,
+            batch_size=self.resolved_batch_size,
+            output_value=None,
+            normalize_embeddings=self.normalize,
+            show_progress_bar=False,
+            prompt=self.document_prompt,
+        )
+        vectors = np.stack([_to_numpy(o["sentence_embedding"]) for o in outputs])
+        offsets = _token_offsets(model, texts, self.document_prompt)
+        shift = len(self.document_prompt or "")
+        pooled: list[NDArray[np.float32]] = []
+        alone: list[tuple[int, int, str]] = []  # (text, span, span text) needing their own pass
+        for i, (text, text_spans, out) in enumerate(zip(texts, spans, outputs, strict=True)):
+            rows = np.zeros((len(text_spans), vectors.shape[1]), dtype=np.float32)
+            tokens = _to_numpy(out["token_embeddings"]) if offsets is not None else None
+            seen = offsets[i] if offsets is not None else None
+            if tokens is not None and seen is not None:
+                valid = int(_to_numpy(out["attention_mask"]).sum())
+                if valid != len(seen):  # another tokenisation than the model's: do not guess
+                    seen = None
+            for j, (start, end) in enumerate(text_spans):
+                if seen is not None and tokens is not None:
+                    inside = (seen[:, 0] < end + shift) & (seen[:, 1] > start + shift)
+                    inside &= seen[:, 1] > seen[:, 0]  # special tokens have empty offsets
+                    if inside.any():
+                        rows[j] = tokens[: len(seen)][inside].mean(axis=0)
+                        continue
+                alone.append((i, j, text[start:end]))
+            pooled.append(rows)
+        if alone:
+            own = self._encode([span for _, _, span in alone], self.document_prompt)
+            for (i, j, _), row in zip(alone, own, strict=True):
+                pooled[i][j] = row
+        for rows in pooled:
+            norms = np.linalg.norm(rows, axis=1, keepdims=True)
+            rows /= np.where(norms == 0.0, 1.0, norms)
+        return vectors.astype(np.float32), pooled
+
     def embed_query(self, text: str) -> NDArray[np.float32]:
         """Embed one query; returns ``(d,)`` float32."""
         if self.resolved_device.partition(":")[0] != "cpu":
@@ -234,3 +292,34 @@ class SentenceTransformerEmbedder:
         _ = self.model
         with single_torch_thread():
             return self._encode([text], self.query_prompt)[0]
+
+
+def _to_numpy(value: Any) -> NDArray[np.float32]:
+    """A torch tensor (on any device) or array as a float32 numpy array."""
+    if hasattr(value, "detach"):
+        value = value.detach().float().cpu().numpy()
+    return np.asarray(value, dtype=np.float32)
+
+
+def _token_offsets(
+    model: Any, texts: list[str], prompt: str | None
+) -> list[NDArray[np.int64]] | None:
+    """Character offsets of each token the model sees, or None when its tokenizer cannot say.
+
+    The texts are tokenised as sentence-transformers tokenises them (prompt prepended, cut at
+    the model's maximum sequence length), so the offsets line up with its token vectors.
+    """
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None or not getattr(tokenizer, "is_fast", False):
+        return None
+    max_length = getattr(model, "max_seq_length", None)
+    try:
+        encoded = tokenizer(
+            [(prompt or "") + text for text in texts],
+            return_offsets_mapping=True,
+            truncation=max_length is not None,
+            max_length=max_length,
+        )
+    except (TypeError, ValueError, NotImplementedError):
+        return None
+    return [np.asarray(o, dtype=np.int64).reshape(-1, 2) for o in encoded["offset_mapping"]]

@@ -6,6 +6,8 @@
 ``builder``      :class:`TreeBuilder`, which runs the stages layer by layer
 ``cache``        a content-addressed cache of summaries and embeddings (resume a build)
 ``incremental``  insert, update and delete documents without rebuilding
+``budget``       a hard cap on the cost or tokens of the summary calls (``LLMBudget``)
+``progress``     progress events with ETA and spend (``BuildProgress``)
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from raptor_core.build.ids import summary_id
+from raptor_core.build.progress import BuildProgress, StageClock
 from raptor_core.exceptions import (
     EmbeddingError,
     InvalidInputError,
@@ -30,12 +31,15 @@ from raptor_core.exceptions import (
 from raptor_core.tree import Node, Tree
 
 if TYPE_CHECKING:
+    from raptor_core.build.budget import LLMBudget, Pricing
     from raptor_core.build.cache import BuildCache
     from raptor_core.build.executors import Executor
     from raptor_core.build.incremental import TreeUpdate
+    from raptor_core.build.progress import BuildProgressCallback
 from raptor_core.types import (
     AsyncEmbedder,
     AsyncSummarizer,
+    BatchSummarizer,
     Chunker,
     Clusterer,
     Document,
@@ -186,7 +190,17 @@ class TreeBuilder:
             tasks for async ones).
         n_threads: cap on torch/BLAS/numba threads during the build (None: leave as is).
         random_state: seed for the default clusterer.
-        progress: ``progress(stage, done, total)`` callback (the CLI draws bars with it).
+        progress: ``progress(stage, done, total)`` callback.
+        on_progress: ``on_progress(event)`` callback with a
+            :class:`~raptor_core.build.progress.BuildProgress`: the same steps with the time
+            elapsed and left (ETA) and the tokens and USD spent so far (the CLI draws its bars
+            with it).
+        budget: an :class:`~raptor_core.build.budget.LLMBudget` capping the cost or tokens of
+            the summary calls of each build, insert, update or delete: the call that would
+            take spend past the cap is not made and
+            :class:`~raptor_core.exceptions.BudgetExceededError` is raised (rerun with the
+            same ``cache`` and a higher cap to resume: paid answers are cache hits).  Local
+            summarisers (``cacheable = False``) cost nothing and are not metered.  None: no cap.
         cache: a :class:`~raptor_core.build.cache.BuildCache`, or a directory for one.  Summaries and
             embeddings are read from it first and written to it as they arrive, so a build
             rerun after a crash or Ctrl-C makes only the calls it had not made.  Builds in
@@ -228,6 +242,8 @@ class TreeBuilder:
         random_state: int | None = None,
         progress: ProgressCallback | None = None,
         cache: BuildCache | str | os.PathLike[str] | None = None,
+        on_progress: BuildProgressCallback | None = None,
+        budget: LLMBudget | None = None,
         executor: Executor | None = None,
     ) -> None:
         self.embedder = embedder
@@ -245,6 +261,8 @@ class TreeBuilder:
         self.random_state = random_state
         self.progress = progress
         self.cache = cache
+        self.on_progress = on_progress
+        self.budget = budget
         self.executor = executor
 
     _int_params: Mapping[str, int] = {
@@ -444,10 +462,18 @@ class TreeBuilder:
         ``max_layers``, ``min_layer_size``, or a single cluster.  Real counts depend on the
         clustering; soft-clustered nodes shared by two clusters are not counted twice.  The
         build cache is not consulted: the estimate is for a build from scratch.
+
+        With prices (``budget=LLMBudget(pricing=...)`` or a summariser's ``pricing``) the
+        estimate has a ``cost_usd``; with a budget, ``within_budget`` says whether the
+        projection fits its caps.  A build does not refuse to start on a projection (the
+        clustering decides the real cost, and a resumed build pays only for cache misses):
+        the cap itself stops it before the first call that would pass it.
         """
+        from raptor_core.build.budget import resolve_pricing
         from raptor_core.tokenizers import count_tokens, default_tokenizer
 
         self._validate()
+        pricing = resolve_pricing(self.budget, self.summarizer)
         docs = to_documents(documents)
         if not docs:
             msg = "no documents to estimate a build for"
@@ -498,7 +524,13 @@ class TreeBuilder:
                 )
             )
             n, per_node = clusters, float(self.summary_max_tokens)
-        return BuildEstimate(documents=len(docs), chunks=len(tokens), layers=tuple(layers))
+        return BuildEstimate(
+            documents=len(docs),
+            chunks=len(tokens),
+            layers=tuple(layers),
+            pricing=pricing,
+            budget=self.budget,
+        )
 
 
 class _BuildRun:
@@ -521,12 +553,35 @@ class _BuildRun:
             builder._components()
         )
         self.raw_embedder, self.raw_summarizer = self.embedder, self.summarizer
+        from raptor_core.build.budget import Meter, MeteredSummarizer, resolve_pricing
+
+        pricing = resolve_pricing(builder.budget, self.raw_summarizer)  # before any work
         self.executor = getattr(builder, "executor", None)
         if self.executor is not None:
+            # Innermost: the meter, the cache and the sentence-vector tap stay in this process.
             self._use_executor(self.executor)
         self.cache, self.owns_cache = _open_cache(builder.cache)
+        if self.cache is None and getattr(self.summarizer, "requires_cache", False):
+            # Checked before anything is paid for: without a cache a batch job submitted by a
+            # run that then dies could not be found again (it would be paid for twice).
+            msg = (
+                f"{type(self.summarizer).__name__} needs a build cache to record its pending "
+                "batch jobs: pass TreeBuilder(cache=DIRECTORY), and the same directory again to resume"
+            )
+            raise InvalidParameterError(msg)
+        self.meter = Meter(
+            builder.budget,
+            pricing,
+            self.raw_summarizer,
+            self.tokenizer,
+            has_cache=self.cache is not None,
+        )
+        paid = getattr(self.summarizer, "cacheable", True)
+        if builder.budget is not None and paid:
+            # Under the cache: a cache hit never reaches the meter, so it never counts.
+            self.summarizer = MeteredSummarizer(self.summarizer, self.meter)
         if self.cache is not None:
-            from raptor_core.build.cache import CachedEmbedder, CachedSummarizer
+            from raptor_core.build.cache import CachedEmbedder, CachedSummarizer, _identity_json
 
             # Only what costs money goes through the cache.  A local model is recomputed:
             # that is free, and its output depends (by ~1e-7) on what else shares its batch,
@@ -535,12 +590,19 @@ class _BuildRun:
             # without one, and the other way round.
             if getattr(self.embedder, "cacheable", True):
                 self.embedder = CachedEmbedder(
-                    self.embedder, self.cache, namespace=_identity(self.raw_embedder)
+                    self.embedder, self.cache, namespace=_identity_json(self.raw_embedder)
                 )
-            if getattr(self.summarizer, "cacheable", True):
+            if paid:
+                # Keyed by the summariser itself, so metered and unmetered runs share answers.
                 self.summarizer = CachedSummarizer(
-                    self.summarizer, self.cache, namespace=_identity(self.raw_summarizer)
+                    self.summarizer, self.cache, namespace=_identity_json(self.raw_summarizer)
                 )
+        tap = getattr(self.raw_summarizer, "sentence_vector_tap", None)
+        if callable(tap) and self.embedder is self.raw_embedder:
+            # The extractive summariser takes its sentence vectors from the forward passes
+            # that embed each layer, instead of embedding every sentence again.
+            self.embedder = tap(self.embedder)
+        self.clock = StageClock()
         self.usage_seen: dict[str, dict[str, int]] = {}
         self.usage_delta()  # baseline: a reused component may have spent before this build
         self.nodes: list[Node] = []
@@ -566,7 +628,15 @@ class _BuildRun:
         """
         from raptor_core.build.executors import ExecutorEmbedder, ExecutorSummarizer
 
-        self.embedder = ExecutorEmbedder(self.embedder, executor)
+        tap = getattr(self.raw_summarizer, "sentence_vector_tap", None)
+        tapped = tap(self.embedder) if callable(tap) else self.embedder
+        # The extractive summariser's sentence vectors come from the same forward passes,
+        # on the workers, as without an executor (see ExecutorEmbedder).
+        self.embedder = ExecutorEmbedder(
+            self.embedder,
+            executor,
+            tap_into=self.raw_summarizer if tapped is not self.embedder else None,
+        )
         if not callable(getattr(self.summarizer, "summarize_batch", None)):
             self.summarizer = ExecutorSummarizer(
                 self.summarizer, executor, max_concurrency=self.b.max_concurrency
@@ -575,12 +645,34 @@ class _BuildRun:
     def _progress(self, stage: str, done: int, total: int) -> None:
         if self.b.progress is not None:
             self.b.progress(stage, done, total)
+        if self.b.on_progress is not None:
+            self.b.on_progress(self._event(stage, done, total))
+
+    def _event(self, stage: str, done: int, total: int) -> BuildProgress:
+        elapsed, eta = self.clock.times(stage, done, total)
+        spend = self.meter.spend()
+        budget = self.b.budget
+        return BuildProgress(
+            stage=stage,
+            done=done,
+            total=total,
+            layer=self.layer if stage in {"chunk", "embed"} else self.layer + 1,
+            elapsed_s=elapsed,
+            eta_s=eta,
+            summary_calls=spend.calls,
+            prompt_tokens=spend.prompt_tokens,
+            completion_tokens=spend.completion_tokens,
+            spent_usd=spend.usd,
+            max_cost_usd=budget.max_cost_usd if budget is not None else None,
+            max_summary_tokens=budget.max_summary_tokens if budget is not None else None,
+        )
 
     # -- stage: chunk --------------------------------------------------------------------------
     def make_leaves(self) -> None:
         from raptor_core.build.leaves import document_leaves, warn_long_chunks
 
         start = time.perf_counter()
+        self.clock.begin("chunk")
         if self.executor is not None:
             from raptor_core.build.executors import CHUNK_BATCH, LeafBatch
 
@@ -626,6 +718,7 @@ class _BuildRun:
 
     def embed_sync(self, texts: Sequence[str]) -> NDArray[np.float32]:
         start = time.perf_counter()
+        self.clock.begin("embed")
         # With an executor the layer goes in one call: the executor cuts the same batches.
         batch = 256 if self.executor is None else max(len(texts), 1)
         parts: list[NDArray[np.float32]] = []
@@ -719,6 +812,7 @@ class _BuildRun:
             self.stop_reason = f"layer {self.layer} has {n} node(s), fewer than min_layer_size={self.b.min_layer_size}"
             return False
         start = time.perf_counter()
+        self.clock.begin("cluster")
         tokens = [node.token_count for node in self.layer_nodes]
         clusters = cluster_within_limit(
             self.clusterer, self.layer_vectors, tokens, self.b.cluster_max_tokens
@@ -793,18 +887,15 @@ class _BuildRun:
 
     def summarize_sync(self) -> list[str]:
         start = time.perf_counter()
+        self.clock.begin("summarize")
         todo = self._to_summarize()
         all_texts = self._cluster_texts()
         texts = [all_texts[i] for i in todo]
         limit = self.b.summary_max_tokens
-        batch = getattr(self.summarizer, "summarize_batch", None)
         results: list[object]
-        if callable(batch):
-            try:
-                results = list(batch(texts, max_tokens=limit))
-            except Exception as exc:
-                raise self._wrap(todo[0], exc) from exc
-            self._progress("summarize", len(texts), len(texts))
+        # Checked on the summariser itself: the cache wrapper only passes its seams through.
+        if isinstance(self.raw_summarizer, BatchSummarizer):
+            results = self._summarize_batch(texts, limit, todo)
         else:
             results = [None] * len(texts)
             # Set by the first failure or Ctrl-C: queued clusters then spend nothing (a bad key
@@ -844,12 +935,35 @@ class _BuildRun:
         checked = [self._checked_summary(i, s) for i, s in zip(todo, results, strict=True)]
         return [str(s) for s in self._with_carried(checked)]
 
+    def _summarize_batch(self, texts: list[list[str]], limit: int, todo: list[int]) -> list[object]:
+        """All of a layer's clusters in one ``summarize_batch`` call (see BatchSummarizer)."""
+        batch = self.summarizer.summarize_batch  # type: ignore[attr-defined]
+        try:
+            results = list(batch(texts, max_tokens=limit))
+        except Exception as exc:
+            raise self._wrap(todo[0], exc) from exc
+        if len(results) != len(texts):
+            msg = (
+                f"layer {self.layer + 1}: summarize_batch returned {len(results)} summaries "
+                f"for {len(texts)} clusters"
+            )
+            raise SummarizationError(msg)
+        self._progress("summarize", len(texts), len(texts))
+        return results
+
     async def summarize_async(self) -> list[str]:
         start = time.perf_counter()
+        self.clock.begin("summarize")
         todo = self._to_summarize()
         all_texts = self._cluster_texts()
         texts = [all_texts[i] for i in todo]
         limit = self.b.summary_max_tokens
+        if isinstance(self.raw_summarizer, BatchSummarizer) and texts:
+            # A batch job may wait for hours: in a worker thread, the event loop runs on.
+            batched = await asyncio.to_thread(self._summarize_batch, texts, limit, todo)
+            self.timings["summarize"] += time.perf_counter() - start
+            checked = [self._checked_summary(i, s) for i, s in zip(todo, batched, strict=True)]
+            return [str(s) for s in self._with_carried(checked)]
         semaphore = asyncio.Semaphore(self.b.max_concurrency)
         done = 0
 
@@ -929,12 +1043,23 @@ class _BuildRun:
                     total[name] = total.get(name, 0) + value
         if totals:
             build_info["usage"] = totals
+        if self.b.budget is not None:
+            build_info["budget"] = self.budget_info()
         if self.cache is not None and self.owns_cache:
             self.cache.close()
         logger.info("built tree: %s", build_info)
         return Tree(
             nodes=tuple(self.nodes), embeddings=embeddings, params=params, build_info=build_info
         )
+
+    def budget_info(self) -> dict[str, Any]:
+        """The budget's caps and what the run spent (``build_info["budget"]``)."""
+        budget = self.b.budget
+        info: dict[str, Any] = {"spent": self.meter.spend().to_dict()}
+        if budget is not None:
+            info["max_cost_usd"] = budget.max_cost_usd
+            info["max_summary_tokens"] = budget.max_summary_tokens
+        return info
 
 
 def summary_node(*, layer: int, text: str, members: Sequence[Node], token_count: int) -> Node:
@@ -977,12 +1102,6 @@ def _say_where(exc: RaptorError, where: str) -> None:
     exc.args = (f"{where}: {exc}", *exc.args[1:]) if exc.args else (where,)
 
 
-def _identity(component: object) -> str:
-    from raptor_core.build.cache import _identity_json
-
-    return _identity_json(component)
-
-
 def _open_cache(cache: object) -> tuple[BuildCache | None, bool]:
     """The build cache to use, and whether this build opened it (and so closes it)."""
     if cache is None:
@@ -1021,6 +1140,8 @@ class BuildEstimate:
     documents: int
     chunks: int
     layers: tuple[LayerEstimate, ...]
+    pricing: Pricing | None = None
+    budget: LLMBudget | None = None
 
     @property
     def calls(self) -> int:
@@ -1042,6 +1163,27 @@ class BuildEstimate:
         """Tokens sent to the embedder (chunks and summaries)."""
         return sum(x.embed_tokens for x in self.layers)
 
+    @property
+    def cost_usd(self) -> float | None:
+        """Projected cost of the summary calls in USD (None without prices)."""
+        if self.pricing is None:
+            return None
+        return self.pricing.cost(self.prompt_tokens, self.completion_tokens)
+
+    @property
+    def within_budget(self) -> bool | None:
+        """Whether the projection fits the budget's caps (None without a budget)."""
+        budget = self.budget
+        if budget is None:
+            return None
+        tokens = self.prompt_tokens + self.completion_tokens
+        if budget.max_summary_tokens is not None and tokens > budget.max_summary_tokens:
+            return False
+        cost = self.cost_usd
+        return not (
+            budget.max_cost_usd is not None and cost is not None and cost > budget.max_cost_usd
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable form, totals included."""
         return {
@@ -1051,6 +1193,8 @@ class BuildEstimate:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "embed_tokens": self.embed_tokens,
+            "cost_usd": None if self.cost_usd is None else round(self.cost_usd, 6),
+            "within_budget": self.within_budget,
             "layers": [
                 {
                     "layer": x.layer,

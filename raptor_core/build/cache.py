@@ -91,6 +91,11 @@ _SCHEMA = (
     "vector BLOB NOT NULL, created REAL NOT NULL, digest TEXT NOT NULL DEFAULT '')",
     "CREATE TABLE IF NOT EXISTS claims (key TEXT PRIMARY KEY, token TEXT NOT NULL, "
     "host TEXT NOT NULL, pid INTEGER NOT NULL, expires REAL NOT NULL)",
+    # Long-running remote jobs (an OpenAI batch) started for a set of requests: a rerun finds
+    # the job here and waits for it instead of paying for a second one.  A new table in the
+    # same schema version: older versions never read it, and it needs no migration.
+    "CREATE TABLE IF NOT EXISTS jobs (key TEXT PRIMARY KEY, value TEXT NOT NULL, "
+    "created REAL NOT NULL, digest TEXT NOT NULL)",
 )
 
 Kind = Literal["summary", "embedding"]
@@ -502,7 +507,8 @@ class BuildCache:
     def clear(self) -> None:
         """Delete every entry; a file that is not a readable cache is replaced by an empty one.
 
-        Claims of builds running elsewhere are kept, so they still do not pay twice.
+        Claims of builds running elsewhere, and records of pending batch jobs, are kept, so
+        they still do not pay twice.
         """
         try:
             with self._session() as db, _transaction(db):
@@ -628,6 +634,49 @@ class BuildCache:
         """Store vectors in one transaction (committed when this returns)."""
         self._store("embedding", items)
 
+    # -- remote jobs ---------------------------------------------------------------------------
+    @staticmethod
+    def job_key(namespace: str, requests: Sequence[object]) -> str:
+        """Key of a remote job made of exactly ``requests`` (JSON-serialisable, in order)."""
+        return _sha256("job", namespace, list(requests))
+
+    def get_job(self, key: str) -> dict[str, Any] | None:
+        """The record of a job started under ``key`` (None: none, or one that fails its digest).
+
+        A record is plain JSON data (ids the service gave out); nothing in it is executed.
+        """
+        with self._session() as db:
+            row = db.execute("SELECT value, digest FROM jobs WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            return None
+        value, digest = row
+        record: object = None
+        if isinstance(value, str) and digest == _digest("job", key, value.encode("utf-8")):
+            with contextlib.suppress(ValueError):
+                record = json.loads(value)
+        if not isinstance(record, dict):
+            logger.warning(
+                "build cache %s: job record %s… is unusable: ignored", self.path, key[:12]
+            )
+            self.delete_job(key)
+            return None
+        return record
+
+    def put_job(self, key: str, record: Mapping[str, Any]) -> None:
+        """Record (or replace) the job started under ``key``; committed when this returns."""
+        value = json.dumps(dict(record), sort_keys=True, ensure_ascii=False)
+        digest = _digest("job", key, value.encode("utf-8"))
+        with self._session() as db, _transaction(db):
+            db.execute(
+                "INSERT OR REPLACE INTO jobs (key, value, created, digest) VALUES (?, ?, ?, ?)",
+                (key, value, time.time(), digest),
+            )
+
+    def delete_job(self, key: str) -> None:
+        """Forget the job recorded under ``key`` (finished, or failed for good)."""
+        with self._session() as db, _transaction(db):
+            db.execute("DELETE FROM jobs WHERE key = ?", (key,))
+
     # -- claims --------------------------------------------------------------------------------
     def _claim(
         self, kind: Kind, keys: Sequence[str], *, limit: int | None, force: Iterable[str] = ()
@@ -742,6 +791,7 @@ class _Fetch:
         self.values: dict[str, Any] = {}
         self.computed = 0  # keys answered by this fetch's own calls
         self._held: _Claim | None = None
+        self._abandoned = False  # release() ran: a claim taken from now on is given back
         self._lock = threading.Lock()
         self._first = True
         self._delay = _POLL_FIRST
@@ -766,7 +816,15 @@ class _Fetch:
         self._take(claim.found)
         if claim.keys:
             with self._lock:
-                self._held = claim
+                abandoned = self._abandoned
+                if not abandoned:
+                    self._held = claim
+            if abandoned:
+                # A cancelled async caller released this fetch while its worker thread was
+                # still claiming (asyncio.run cancels the thread's task at shutdown): give the
+                # claim back, or a rerun in this process would wait a whole lease for it.
+                self.cache._release(claim)
+                return []
             self._delay = _POLL_FIRST
             return list(claim.keys)
         if not self.pending:
@@ -801,6 +859,7 @@ class _Fetch:
     def release(self) -> None:
         """Give back the claim in hand, if any (never raises: it runs while failing)."""
         with self._lock:
+            self._abandoned = True
             claim, self._held = self._held, None
         if claim is not None:
             try:
@@ -965,7 +1024,11 @@ class CachedSummarizer:
 
         def compute(claimed: list[str]) -> dict[str, Any]:
             batch = self.summarizer.summarize_batch  # type: ignore[attr-defined]
-            answers = list(batch([by_key[k] for k in claimed], max_tokens=max_tokens))
+            # A summariser that runs remote jobs records them here (requires_cache = True).
+            extra = (
+                {"cache": self.cache} if getattr(self.summarizer, "requires_cache", False) else {}
+            )
+            answers = list(batch([by_key[k] for k in claimed], max_tokens=max_tokens, **extra))
             if len(answers) != len(claimed):
                 msg = (
                     f"summarize_batch returned {len(answers)} summaries for {len(claimed)} clusters"

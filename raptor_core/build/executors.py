@@ -28,7 +28,7 @@ import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Generic, NoReturn, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, NoReturn, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 from numpy.typing import NDArray
@@ -39,7 +39,7 @@ from raptor_core.exceptions import (
     RaptorError,
     SummarizationError,
 )
-from raptor_core.types import Chunker, Document, Embedder, Summarizer, Tokenizer
+from raptor_core.types import Chunker, Document, Embedder, SpanEmbedder, Summarizer, Tokenizer
 
 __all__ = [
     "BuildStageError",
@@ -321,6 +321,21 @@ class EmbedBatch:
             return raw
 
 
+class SpanBatch:
+    """Embed one batch of texts and pool sentence spans (the embed stage, with the tap)."""
+
+    def __init__(self, embedder: Embedder) -> None:
+        self.embedder = Shipped(embedder)
+
+    def __call__(
+        self, batch: tuple[Sequence[str], Sequence[Sequence[tuple[int, int]]]]
+    ) -> tuple[NDArray[np.float32], list[NDArray[np.float32]]]:
+        texts, spans = batch
+        embedder = cast(SpanEmbedder, self.embedder.component)
+        vectors, rows = embedder.embed_spans(list(texts), spans)
+        return np.asarray(vectors, dtype=np.float32), list(rows)
+
+
 class SummarizeOne:
     """Summarise one cluster's texts (the summarize stage)."""
 
@@ -340,9 +355,10 @@ class ExecutorEmbedder:
     the executor has a ``batch_size`` of its own.
     """
 
-    def __init__(self, embedder: Embedder, executor: Executor) -> None:
+    def __init__(self, embedder: Embedder, executor: Executor, *, tap_into: object = None) -> None:
         self.embedder = embedder
         self.executor = executor
+        self.tap_into = tap_into
         self.cacheable = getattr(embedder, "cacheable", True)
         usage = getattr(embedder, "usage", None)
         if usage is not None:
@@ -363,8 +379,32 @@ class ExecutorEmbedder:
         batches = [list(texts[i : i + size]) for i in range(0, len(texts), max(size, 1))]
         if not batches:
             return np.asarray(self.embedder.embed_documents([]), dtype=np.float32)
+        if self.tap_into is not None:
+            return self._embed_and_tap(batches)
         parts = self.executor.map_batches(EmbedBatch(self.embedder), batches, stage="embed")
         return np.concatenate([np.asarray(p, dtype=np.float32) for p in parts])
+
+    def _embed_and_tap(self, batches: list[list[str]]) -> NDArray[np.float32]:
+        """Embed on the workers and hand the sentence vectors to the extractive summariser.
+
+        What :meth:`ExtractiveSummarizer.sentence_vector_tap` does locally: the workers run
+        ``embed_spans`` on the same batches, and the summariser here remembers each text's
+        in-context sentence vectors under its own embedder, so its summaries are the same.
+        """
+        from raptor_core.build.summarizers import _sentence_spans, _unit_rows
+
+        work = []
+        sentences: list[list[str]] = []
+        for texts in batches:
+            found, spans = zip(*(_sentence_spans(t) for t in texts), strict=True)
+            sentences.extend(list(s) for s in found)
+            work.append((texts, list(spans)))
+        parts = self.executor.map_batches(SpanBatch(self.embedder), work, stage="embed")
+        rows = [row for _, part_rows in parts for row in part_rows]
+        checked = [_unit_rows(r, len(s)) for r, s in zip(rows, sentences, strict=True)]
+        texts = [t for batch in batches for t in batch]
+        self.tap_into._remember(self.embedder, texts, checked, sentences)  # type: ignore[attr-defined]
+        return np.concatenate([np.asarray(v, dtype=np.float32) for v, _ in parts])
 
     def embed_query(self, text: str) -> NDArray[np.float32]:
         """Queries are embedded here: one short text is not worth a trip to a worker."""

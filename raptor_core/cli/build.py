@@ -10,21 +10,84 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from raptor_core._argtypes import MAX_SEED, int_range, positive_float
+from raptor_core._argtypes import MAX_SEED, finite_float, int_range, positive_float
 from raptor_core.cli import models
 from raptor_core.cli._common import TREE_FILE, one_line, path_text, safe
 from raptor_core.cli.readers import read_documents
 from raptor_core.exceptions import InvalidParameterError
 
-__all__ = ["add_parser", "run_build"]
+__all__ = [
+    "ProgressBars",
+    "add_budget_arguments",
+    "add_parser",
+    "budget_from_args",
+    "progress_fields",
+    "run_build",
+]
+
+if TYPE_CHECKING:
+    from raptor_core.build.budget import LLMBudget
+    from raptor_core.build.progress import BuildProgress
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0 (a price)."""
+    value = finite_float(text)
+    if value < 0:
+        msg = f"expected a number >= 0, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def progress_fields(event: BuildProgress) -> dict[str, str]:
+    """The ETA and cost texts a progress bar shows for ``event``."""
+    eta = "eta -:--:--" if event.eta_s is None else f"eta {_clock(event.eta_s)}"
+    cost = ""
+    if event.spent_usd is not None:
+        cost = f"${event.spent_usd:.4f}"
+        if event.max_cost_usd is not None:
+            cost += f" of ${event.max_cost_usd:g}"
+    elif event.max_summary_tokens is not None:
+        used = event.prompt_tokens + event.completion_tokens
+        cost = f"{used} of {event.max_summary_tokens} tok"
+    return {"eta": eta, "cost": cost}
+
+
+class ProgressBars:
+    """The ``on_progress`` callback of a command: bars on a terminal, and the last figures."""
+
+    def __init__(self, progress: Any = None) -> None:
+        self._progress = progress
+        self._tasks: dict[str, Any] = {}
+        self.last: BuildProgress | None = None
+
+    def __call__(self, event: BuildProgress) -> None:
+        """Keep ``event`` and move its stage's bar."""
+        self.last = event
+        if self._progress is None:
+            return
+        fields = progress_fields(event)
+        if event.stage not in self._tasks:
+            self._tasks[event.stage] = self._progress.add_task(
+                event.stage, total=event.total, **fields
+            )
+        self._progress.update(
+            self._tasks[event.stage], completed=event.done, total=event.total, **fields
+        )
 
 
 @contextmanager
-def _progress_bars(enabled: bool) -> Iterator[Any]:
+def _progress_bars(enabled: bool, console: Any = None) -> Iterator[ProgressBars]:
     if not enabled:
-        yield None
+        yield ProgressBars()
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -33,16 +96,94 @@ def _progress_bars(enabled: bool) -> Iterator[Any]:
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
+        # The builder's own ETA and spend (BuildProgress), the figures library users get.
+        TextColumn("{task.fields[eta]}"),
+        TextColumn("{task.fields[cost]}"),
         transient=False,
+        console=console,
     ) as progress:
-        tasks: dict[str, Any] = {}
+        yield ProgressBars(progress)
 
-        def update(stage: str, done: int, total: int) -> None:
-            if stage not in tasks:
-                tasks[stage] = progress.add_task(stage, total=total)
-            progress.update(tasks[stage], completed=done, total=total)
 
-        yield update
+def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--max-cost-usd``, ``--max-summary-tokens``, ``--price-prompt``, ``--price-completion``."""
+    group = parser.add_argument_group("LLM budget (see docs/cli.md)")
+    group.add_argument(
+        "--max-cost-usd",
+        type=positive_float,
+        default=None,
+        metavar="USD",
+        help="stop before the summary call that would take spend past USD (needs the prices)",
+    )
+    group.add_argument(
+        "--max-summary-tokens",
+        type=int_range(1),
+        default=None,
+        metavar="N",
+        help="stop before the summary call that would take prompt+completion tokens past N",
+    )
+    group.add_argument(
+        "--price-prompt",
+        type=non_negative_float,
+        default=None,
+        metavar="USD",
+        help="the chat model's price per million prompt tokens (shows the cost)",
+    )
+    group.add_argument(
+        "--price-completion",
+        type=non_negative_float,
+        default=None,
+        metavar="USD",
+        help="the chat model's price per million completion tokens",
+    )
+
+
+def budget_from_args(args: argparse.Namespace) -> LLMBudget | None:
+    """The :class:`LLMBudget` the budget flags ask for (None when none is given)."""
+    from raptor_core.build.budget import LLMBudget, Pricing
+
+    prices = (args.price_prompt, args.price_completion)
+    if (prices[0] is None) != (prices[1] is None):
+        msg = (
+            "--price-prompt and --price-completion go together: give both (USD per million tokens)"
+        )
+        raise InvalidParameterError(msg)
+    pricing = (
+        Pricing(prompt_usd_per_million=prices[0], completion_usd_per_million=prices[1])
+        if prices[0] is not None and prices[1] is not None
+        else None
+    )
+    if args.max_cost_usd is not None and pricing is None:
+        msg = (
+            "--max-cost-usd needs the model's prices: add --price-prompt and --price-completion "
+            "(USD per million tokens), or cap tokens with --max-summary-tokens"
+        )
+        raise InvalidParameterError(msg)
+    if pricing is None and args.max_cost_usd is None and args.max_summary_tokens is None:
+        return None
+    return LLMBudget(
+        max_cost_usd=args.max_cost_usd, max_summary_tokens=args.max_summary_tokens, pricing=pricing
+    )
+
+
+def print_spend(bars: ProgressBars) -> None:
+    """One line with what the summary calls cost, when a budget metered them."""
+    event = bars.last
+    if event is None or (
+        event.spent_usd is None and event.max_cost_usd is None and event.max_summary_tokens is None
+    ):
+        return
+    cost = f"${event.spent_usd:.4f} for " if event.spent_usd is not None else ""
+    caps = []
+    if event.max_cost_usd is not None:
+        caps.append(f"${event.max_cost_usd:g}")
+    if event.max_summary_tokens is not None:
+        caps.append(f"{event.max_summary_tokens} tokens")
+    cap = f" (cap: {', '.join(caps)})" if caps else ""
+    print(
+        f"llm cost: {cost}{event.summary_calls} summary calls, {event.prompt_tokens} prompt + "
+        f"{event.completion_tokens} completion tokens{cap}"
+    )
 
 
 def _print_estimate(estimate: Any) -> None:
@@ -63,6 +204,15 @@ def _print_estimate(estimate: Any) -> None:
         f"{'total':>5} {'':>7} {estimate.calls:>10} {estimate.prompt_tokens:>11} "
         f"{estimate.completion_tokens:>10} {estimate.embed_tokens:>10}"
     )
+    if estimate.cost_usd is not None:
+        print(f"projected llm cost: ${estimate.cost_usd:.4f} (completions at their maximum)")
+    if estimate.within_budget is False:
+        print(
+            "warning: the projection exceeds the budget (--max-cost-usd / --max-summary-tokens): "
+            "the build will likely stop at the cap; answers received are kept in the cache, so "
+            "a rerun with a higher cap resumes",
+            file=sys.stderr,
+        )
 
 
 def _print_usage(info: Any) -> None:
@@ -191,6 +341,7 @@ def run_build(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not args.dry_run:
         _check_out(out, overwrite=args.overwrite)
+    budget = budget_from_args(args)  # a flag mistake fails before any file is read
     docs = read_inputs(args, args.paths)
     embedder, summarizer = models.build_models(args)
     builder_args: dict[str, Any] = {
@@ -201,6 +352,7 @@ def run_build(args: argparse.Namespace) -> int:
         "max_concurrency": args.max_concurrency,
         "n_threads": args.threads,
         "random_state": args.seed,
+        "budget": budget,
     }
     if args.dry_run:
         _print_estimate(TreeBuilder(embedder, summarizer, **builder_args).estimate(docs))
@@ -217,9 +369,9 @@ def run_build(args: argparse.Namespace) -> int:
         cache.clear()  # --no-resume: pay for everything again, but stay resumable
     show = sys.stderr.isatty() and not args.quiet and not args.no_progress
     executor = _ray_executor(args.ray)
-    with _progress_bars(show) as progress:
+    with _progress_bars(show) as bars:
         builder = TreeBuilder(
-            embedder, summarizer, progress=progress, cache=cache, executor=executor, **builder_args
+            embedder, summarizer, on_progress=bars, cache=cache, executor=executor, **builder_args
         )
         try:
             tree = builder.build(docs)
@@ -247,6 +399,7 @@ def run_build(args: argparse.Namespace) -> int:
     )
     print(f"stopped: {info['stop_reason']}")
     _print_usage(info)
+    print_spend(bars)
     return 0
 
 
@@ -316,6 +469,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     llm.add_argument("--prompt-file", default=None, help="summary prompt template with {context}")
     llm.add_argument(
+        "--batch",
+        action="store_true",
+        help="--llm openai: summaries through the OpenAI Batch API (half price, answers within "
+        "hours; an interrupted build run again waits for the same jobs)",
+    )
+    llm.add_argument(
+        "--batch-poll-interval",
+        type=positive_float,
+        default=60.0,
+        help="--batch: seconds between status checks of a job (60)",
+    )
+    llm.add_argument(
         "--embed-provider",
         choices=["sentence-transformers", "openai"],
         default="sentence-transformers",
@@ -341,6 +506,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     llm.add_argument(
         "--dry-run", action="store_true", help="estimate calls and tokens; call nothing"
     )
+    add_budget_arguments(build)
     build.add_argument("--no-progress", action="store_true", help="no progress bars")
     build.add_argument("--quiet", "-q", action="store_true", help="print nothing on success")
     build.set_defaults(func=run_build)

@@ -83,9 +83,23 @@ def build_models(args: argparse.Namespace) -> tuple[Any, Any]:
         prompt = DEFAULT_SUMMARY_PROMPT
         if args.prompt_file:
             prompt = read_text(Path(args.prompt_file))
-        summarizer = OpenAISummarizer(
-            args.llm_model, prompt=prompt, base_url=args.llm_base_url, timeout=args.timeout
-        )
+        if getattr(args, "batch", False):
+            from raptor_core.backends.openai_batch import OpenAIBatchSummarizer
+
+            summarizer = OpenAIBatchSummarizer(
+                args.llm_model,
+                prompt=prompt,
+                base_url=args.llm_base_url,
+                timeout=args.timeout,
+                poll_interval=args.batch_poll_interval,
+            )
+        else:
+            summarizer = OpenAISummarizer(
+                args.llm_model, prompt=prompt, base_url=args.llm_base_url, timeout=args.timeout
+            )
+    elif getattr(args, "batch", False):
+        msg = "--batch sends summaries through the OpenAI Batch API: add --llm openai"
+        raise InvalidParameterError(msg)
     elif args.prompt_file:
         msg = "--prompt-file needs an LLM summariser: add --llm openai"
         raise InvalidParameterError(msg)

@@ -21,7 +21,10 @@ from raptor_core.cli._common import TREE_FILE, path_text, safe
 from raptor_core.cli.build import (
     _print_usage,
     _progress_bars,
+    add_budget_arguments,
     add_input_arguments,
+    budget_from_args,
+    print_spend,
     read_inputs,
 )
 from raptor_core.exceptions import InvalidParameterError
@@ -42,7 +45,10 @@ _FROM_TREE = (
 def _summarizer_default(tree: Any) -> tuple[str, str | None]:
     """``(llm, model)`` of the tree's summariser record: keep summarising the way it was."""
     record = tree.params.get("summarizer")
-    if isinstance(record, dict) and str(record.get("class", "")).endswith(".OpenAISummarizer"):
+    # A tree built through the Batch API is updated per call: the same requests, and an
+    # update is a few summaries, not worth hours of waiting.
+    openai_classes = (".OpenAISummarizer", ".OpenAIBatchSummarizer")
+    if isinstance(record, dict) and str(record.get("class", "")).endswith(openai_classes):
         model = record.get("model")
         return "openai", model if isinstance(model, str) else None
     return "extractive", None
@@ -75,8 +81,9 @@ def _builder(tree: Any, args: argparse.Namespace, progress: Any, cache: Any) -> 
         summarizer,
         max_concurrency=args.max_concurrency,
         n_threads=args.threads,
-        progress=progress,
+        on_progress=progress,
         cache=cache,
+        budget=budget_from_args(args),
         **params,
     )
 
@@ -95,11 +102,12 @@ def run_change(args: argparse.Namespace) -> int:
     op = args.command
     # Read and check every input before any model is loaded or called.
     docs = read_inputs(args, args.inputs) if op in {"add", "update"} else None
+    budget_from_args(args)  # a flag mistake fails before any model is loaded
     show = sys.stderr.isatty() and not args.quiet and not args.no_progress
     cache = BuildCache(directory / ".raptor-cache")
     try:
-        with _progress_bars(show) as progress:
-            builder = _builder(tree, args, progress, cache)
+        with _progress_bars(show) as bars:
+            builder = _builder(tree, args, bars, cache)
             if op == "add":
                 result = builder.insert(tree, docs)
             elif op == "update":
@@ -113,6 +121,7 @@ def run_change(args: argparse.Namespace) -> int:
     if args.quiet:
         return 0
     _print_report(directory, op, result, time.perf_counter() - started)
+    print_spend(bars)
     return 0
 
 
@@ -188,6 +197,7 @@ def add_parsers(sub: Any) -> None:
         llm.add_argument(
             "--timeout", type=positive_float, default=60.0, help="seconds per request (60)"
         )
+        add_budget_arguments(p)
         p.add_argument("--threads", type=positive, default=None, help="cap torch/BLAS threads")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
         p.add_argument("--quiet", "-q", action="store_true", help="print nothing on success")

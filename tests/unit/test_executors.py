@@ -379,3 +379,49 @@ def test_importing_executors_does_not_import_ray() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+class SpanFake(FakeEmbedder):
+    """FakeEmbedder with spans (a SpanEmbedder), counting the calls made on this copy."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__(dim)
+        self.span_calls = 0
+
+    def embed_spans(
+        self, texts: Sequence[str], spans: Sequence[Sequence[tuple[int, int]]]
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        self.span_calls += 1
+        rows = [
+            np.stack([self._vector(t[a:b]) for a, b in s]) if s else np.zeros((0, self.dim))
+            for t, s in zip(texts, spans, strict=True)
+        ]
+        return np.stack([self._vector(t) for t in texts]), rows
+
+
+def test_the_extractive_summariser_gets_its_sentence_vectors_from_the_workers() -> None:
+    from raptor_core.build.summarizers import ExtractiveSummarizer
+
+    def build(executor: object) -> tuple[Any, SpanFake]:
+        span = SpanFake()
+        summarizer = ExtractiveSummarizer(span, tokenizer=WhitespaceTokenizer())
+        tree = TreeBuilder(
+            span,
+            summarizer,
+            tokenizer=WhitespaceTokenizer(),
+            chunk_max_tokens=8,
+            cluster_max_tokens=40,
+            random_state=0,
+            executor=executor,  # type: ignore[arg-type]
+        ).build(DOCS)
+        return tree, span
+
+    plain, local_span = build(None)
+    shuffled, driver_span = build(ShuffledExecutor())
+    assert plain.num_layers > 1
+    assert local_span.span_calls > 0  # the local build tapped its own forward passes
+    assert_same_tree(plain, shuffled)
+    # On the executor the span passes ran on the workers' copies, and the summariser found
+    # every sentence vector it needed in what they sent back: nothing was embedded here.
+    assert driver_span.span_calls == 0
+    assert driver_span.calls == 0
