@@ -412,11 +412,12 @@ class ExecutorEmbedder:
 
 
 class ExecutorSummarizer:
-    """A summariser whose clusters are summarised as executor tasks (``summarize_batch``).
+    """A summariser whose calls run as executor tasks.
 
-    The builder calls ``summarize_batch`` with every cluster of a layer, through the build
-    cache when there is one, so only the misses become tasks and every answer is written to
-    the cache here.  At most ``max_concurrency`` summaries are requested at once.
+    The builder calls ``summarize`` once per cluster from up to ``max_concurrency`` threads
+    (through the budget meter and the build cache when there are some, so only cache misses
+    become tasks and every answer is metered and cached here); each call is one task.
+    ``summarize_batch`` sends many clusters at once, at most ``max_concurrency`` in flight.
     """
 
     def __init__(self, summarizer: Summarizer, executor: Executor, max_concurrency: int) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -149,6 +150,8 @@ class RayExecutor:
         self.concurrency = concurrency
         self.runtime_env = runtime_env
         self._started = False
+        # Summaries call map_tasks from several threads: only one of them may start Ray.
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"RayExecutor(address={self.address!r})"
@@ -188,6 +191,11 @@ class RayExecutor:
         """Ray, connected: the running instance, or the one ``address`` names."""
         self._validate()
         ray = require("ray", extra="ray")
+        with self._lock:
+            self._connect(ray)
+        return ray
+
+    def _connect(self, ray: ModuleType) -> None:
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"address": self.address, "log_to_driver": False}
             if self.runtime_env is not None:
@@ -203,7 +211,6 @@ class RayExecutor:
                 )
                 raise InvalidParameterError(msg) from exc
             self._started = True
-        return ray
 
     def close(self) -> None:
         """Disconnect from Ray if this executor connected (a local instance stops)."""
