@@ -92,6 +92,15 @@ class WhitespaceTokenizer:
         self._words: list[str] = []
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, list[str]]:
+        # A lock cannot be pickled (a build on Ray sends the tokenizer to its workers).
+        return {"words": list(self._words)}
+
+    def __setstate__(self, state: dict[str, list[str]]) -> None:
+        self._lock = threading.Lock()
+        self._words = list(state["words"])
+        self._vocab = {word: i for i, word in enumerate(self._words)}
+
     def encode(self, text: str) -> list[int]:
         """Return one id per word."""
         ids = []
@@ -120,6 +129,14 @@ class EchoSummarizer:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, ...]] = []
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, list[tuple[str, ...]]]:
+        # A copy on another process (a Ray worker) records its own calls.
+        return {"calls": list(self.calls)}
+
+    def __setstate__(self, state: dict[str, list[tuple[str, ...]]]) -> None:
+        self.calls = list(state["calls"])
         self._lock = threading.Lock()
 
     def summarize(self, texts: Sequence[str], *, max_tokens: int) -> str:

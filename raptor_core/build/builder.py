@@ -33,6 +33,7 @@ from raptor_core.tree import Node, Tree
 if TYPE_CHECKING:
     from raptor_core.build.budget import LLMBudget, Pricing
     from raptor_core.build.cache import BuildCache
+    from raptor_core.build.executors import Executor
     from raptor_core.build.incremental import TreeUpdate
     from raptor_core.build.progress import BuildProgressCallback
 from raptor_core.types import (
@@ -208,6 +209,12 @@ class TreeBuilder:
             sentence-transformers model, the extractive summariser) are recomputed instead:
             that is free, and it keeps the tree identical with or without a cache.  None: no
             cache.
+        executor: where chunking, embedding and (for summarisers without their own
+            ``summarize_batch``) summarising run: a
+            :class:`~raptor_core.build.executors.LocalExecutor`, a
+            :class:`~raptor_core.build.ray_executor.RayExecutor` for a Ray cluster, or any
+            :class:`~raptor_core.build.executors.Executor`.  None (the default): in this
+            process, as ``LocalExecutor()`` does.  Every executor gives the same tree.
 
     Examples:
         >>> from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer
@@ -237,6 +244,7 @@ class TreeBuilder:
         cache: BuildCache | str | os.PathLike[str] | None = None,
         on_progress: BuildProgressCallback | None = None,
         budget: LLMBudget | None = None,
+        executor: Executor | None = None,
     ) -> None:
         self.embedder = embedder
         self.summarizer = summarizer
@@ -255,6 +263,7 @@ class TreeBuilder:
         self.cache = cache
         self.on_progress = on_progress
         self.budget = budget
+        self.executor = executor
 
     _int_params: Mapping[str, int] = {
         "chunk_max_tokens": 8,
@@ -292,6 +301,14 @@ class TreeBuilder:
             raise InvalidParameterError(msg)
         if self.random_state is not None and not isinstance(self.random_state, int):
             msg = f"random_state must be an int or None, got {self.random_state!r}"
+            raise InvalidParameterError(msg)
+        if self.executor is not None and not all(
+            callable(getattr(self.executor, name, None)) for name in ("map_batches", "map_tasks")
+        ):
+            msg = (
+                f"executor must have map_batches and map_tasks (an Executor such as "
+                f"LocalExecutor() or RayExecutor()), got {type(self.executor).__name__}"
+            )
             raise InvalidParameterError(msg)
 
     def _components(self) -> tuple[Embedder, Summarizer, Tokenizer, Chunker, Clusterer]:
@@ -539,6 +556,10 @@ class _BuildRun:
         from raptor_core.build.budget import Meter, MeteredSummarizer, resolve_pricing
 
         pricing = resolve_pricing(builder.budget, self.raw_summarizer)  # before any work
+        self.executor = getattr(builder, "executor", None)
+        if self.executor is not None:
+            # Innermost: the meter, the cache and the sentence-vector tap stay in this process.
+            self._use_executor(self.executor)
         self.cache, self.owns_cache = _open_cache(builder.cache)
         if self.cache is None and getattr(self.summarizer, "requires_cache", False):
             # Checked before anything is paid for: without a cache a batch job submitted by a
@@ -565,8 +586,12 @@ class _BuildRun:
             # Only what costs money goes through the cache.  A local model is recomputed:
             # that is free, and its output depends (by ~1e-7) on what else shares its batch,
             # which a cache hit changes — enough to move UMAP's layout and give another tree.
+            # Keyed by the raw components: a cache filled with an executor serves a build
+            # without one, and the other way round.
             if getattr(self.embedder, "cacheable", True):
-                self.embedder = CachedEmbedder(self.embedder, self.cache)
+                self.embedder = CachedEmbedder(
+                    self.embedder, self.cache, namespace=_identity_json(self.raw_embedder)
+                )
             if paid:
                 # Keyed by the summariser itself, so metered and unmetered runs share answers.
                 self.summarizer = CachedSummarizer(
@@ -594,6 +619,28 @@ class _BuildRun:
         self.layers_info: list[dict[str, Any]] = []
         self.stop_reason = ""
         self.layer = 0
+
+    def _use_executor(self, executor: Executor) -> None:
+        """Route embedding, and summaries one cluster at a time, through ``executor``.
+
+        A summariser with its own ``summarize_batch`` (the extractive one embeds every
+        sentence of a layer in one call; a batch API is one request) keeps running here.
+        """
+        from raptor_core.build.executors import ExecutorEmbedder, ExecutorSummarizer
+
+        tap = getattr(self.raw_summarizer, "sentence_vector_tap", None)
+        tapped = tap(self.embedder) if callable(tap) else self.embedder
+        # The extractive summariser's sentence vectors come from the same forward passes,
+        # on the workers, as without an executor (see ExecutorEmbedder).
+        self.embedder = ExecutorEmbedder(
+            self.embedder,
+            executor,
+            tap_into=self.raw_summarizer if tapped is not self.embedder else None,
+        )
+        if not callable(getattr(self.summarizer, "summarize_batch", None)):
+            self.summarizer = ExecutorSummarizer(
+                self.summarizer, executor, max_concurrency=self.b.max_concurrency
+            )
 
     def _progress(self, stage: str, done: int, total: int) -> None:
         if self.b.progress is not None:
@@ -626,7 +673,17 @@ class _BuildRun:
 
         start = time.perf_counter()
         self.clock.begin("chunk")
-        for d, doc in enumerate(self.docs):
+        if self.executor is not None:
+            from raptor_core.build.executors import CHUNK_BATCH, LeafBatch
+
+            step = CHUNK_BATCH
+            batches = [self.docs[i : i + step] for i in range(0, len(self.docs), step)]
+            fn = LeafBatch(self.chunker, self.tokenizer)
+            for leaves in self.executor.map_batches(fn, batches, stage="chunk"):
+                for doc_leaves in leaves:
+                    self.layer_nodes.extend(doc_leaves)
+            self._progress("chunk", len(self.docs), len(self.docs))
+        for d, doc in enumerate(self.docs if self.executor is None else ()):
             self.layer_nodes.extend(document_leaves(doc, self.chunker, self.tokenizer))
             self._progress("chunk", d + 1, len(self.docs))
         warn_long_chunks(self.layer_nodes, self.b.cluster_max_tokens)
@@ -662,7 +719,8 @@ class _BuildRun:
     def embed_sync(self, texts: Sequence[str]) -> NDArray[np.float32]:
         start = time.perf_counter()
         self.clock.begin("embed")
-        batch = 256
+        # With an executor the layer goes in one call: the executor cuts the same batches.
+        batch = 256 if self.executor is None else max(len(texts), 1)
         parts: list[NDArray[np.float32]] = []
         for i in range(0, len(texts), batch):
             chunk = list(texts[i : i + batch])

@@ -313,6 +313,26 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _ray_executor(address: str | None) -> Any:
+    """The executor for ``--ray ADDRESS`` (``local``: a Ray started for this build), or None."""
+    if address is None:
+        return None
+    from raptor_core.build.ray_executor import RayExecutor
+
+    executor = RayExecutor(None if address == "local" else address)
+    executor._ray()  # import and connect now: a missing extra or a wrong address fails early
+    # The command draws its own progress: keep Ray's per-dataset reports off the terminal
+    # (they stay in Ray's session logs).
+    import logging
+
+    from ray.data import DataContext
+
+    DataContext.get_current().enable_progress_bars = False
+    for name in ("ray", "ray.data"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return executor
+
+
 def run_build(args: argparse.Namespace) -> int:
     """Run ``raptor build`` with parsed ``args``; returns the exit status."""
     from raptor_core.build.builder import TreeBuilder
@@ -348,12 +368,17 @@ def run_build(args: argparse.Namespace) -> int:
     if not args.resume:
         cache.clear()  # --no-resume: pay for everything again, but stay resumable
     show = sys.stderr.isatty() and not args.quiet and not args.no_progress
+    executor = _ray_executor(args.ray)
     with _progress_bars(show) as bars:
-        builder = TreeBuilder(embedder, summarizer, on_progress=bars, cache=cache, **builder_args)
+        builder = TreeBuilder(
+            embedder, summarizer, on_progress=bars, cache=cache, executor=executor, **builder_args
+        )
         try:
             tree = builder.build(docs)
         finally:
             cache.close()
+            if executor is not None:
+                executor.close()
     persist_start = time.perf_counter()
     tree.save(out)
     persist = time.perf_counter() - persist_start
@@ -412,6 +437,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     build.add_argument(
         "--threads", type=positive, default=None, help="cap torch/BLAS/numba threads"
+    )
+    build.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="chunk, embed and summarise on a Ray cluster: auto, HOST:PORT, ray://HOST:PORT, "
+        "or local (start one here); needs the [ray] extra",
     )
     build.add_argument(
         "--embedder",
