@@ -82,9 +82,11 @@ _REG_COVAR = 1e-6
 
 _jit_cache_enabled = False
 
-#: Default ``bucket_size``: below UMAP's exact-neighbour cut-off (4096), where one bucket's
-#: ``(n, n)`` distance matrix is 64 MB and the two-step method costs a few seconds per bucket.
-DEFAULT_BUCKET_SIZE = 4000
+#: Default ``bucket_size``.  The two-step method's cost per point grows with the input: on 5,442
+#: MiniLM chunk vectors (2 loaded cores), buckets of at most 1,000 / 2,000 / 4,000 rows took
+#: 7.8 / 7.6 / 11.9 ms per point, and the whole of 4,000 rows 31 ms (benchmarks/results/scale.md).
+#: 2,000 also stays below UMAP's exact-neighbour cut-off (4096): one (n, n) matrix, 16 MB.
+DEFAULT_BUCKET_SIZE = 2000
 #: The pre-partition's k-means aims at buckets half this full, so that k-means' uneven cluster
 #: sizes mostly fit without a second split.
 _BUCKET_FILL = 0.5

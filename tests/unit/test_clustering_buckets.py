@@ -169,7 +169,7 @@ def test_bucket_size_is_validated_when_used(bucket_size: Any) -> None:
 
 
 def test_bucket_size_is_a_recorded_parameter() -> None:
-    assert GMMClusterer().get_params()["bucket_size"] == clustering.DEFAULT_BUCKET_SIZE
+    assert GMMClusterer().get_params()["bucket_size"] == clustering.DEFAULT_BUCKET_SIZE == 2000
     assert "bucket_size=None" in repr(GMMClusterer(bucket_size=None))
 
 
