@@ -96,7 +96,9 @@ def synthetic_corpus(target_tokens: int, seed: int, count: Any) -> tuple[list[di
     return docs, total
 
 
-def build_once(tokens: int, embedder_name: str, bucket_size: int | None, seed: int) -> dict[str, Any]:
+def build_once(
+    tokens: int, embedder_name: str, bucket_size: int | None, seed: int
+) -> dict[str, Any]:
     """One build in this process; its figures (run in a child process by :func:`main`)."""
     from raptor_core.build.builder import TreeBuilder
     from raptor_core.build.clustering import GMMClusterer
