@@ -73,10 +73,12 @@ def synthetic_corpus(target_tokens: int, seed: int, count: Any) -> tuple[list[di
     originals: list[tuple[str, list[str], int]] = []
     for path in sorted(DATA.glob("*_docs.jsonl")):
         with path.open(encoding="utf-8") as f:
-            for line in f:
+            for n, line in enumerate(f):
                 record = json.loads(line)
                 lines = [x for x in record["text"].splitlines() if x.strip()]
-                originals.append((f"{path.stem}/{record['doc_id']}", lines, count(record["text"])))
+                # The line number too: a few ids repeat within a file.
+                doc_id = f"{path.stem}/{n}/{record['doc_id']}"
+                originals.append((doc_id, lines, count(record["text"])))
     rng = random.Random(seed)
     docs: list[dict[str, str]] = []
     total, copy = 0, 0
