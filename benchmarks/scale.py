@@ -146,6 +146,7 @@ def build_once(
         "rss_before_build_mb": rss_before / 1024,
         "bucket_size": bucket_size,
         "embedder": embedder_name,
+        "load_avg_1_5_15": os.getloadavg(),  # the machine is shared: how busy it was
     }
 
 
