@@ -326,6 +326,8 @@ def main() -> int:
                 f"peak RSS {row['peak_rss_mb']:.0f} MB, load {row['load_avg_1_5_15'][0]:.1f}",
                 flush=True,
             )
+            if args.json:  # after every build: a long run stopped early keeps what it measured
+                args.json.write_text(json.dumps(rows, indent=2))
     bucketed = [r for r in rows if r["bucket_size"] == bucket]
     whole = [r for r in rows if r["bucket_size"] is None and bucket is not None]
     print("\nCPU µs per token by stage (one thread); ratios against the smallest size:")
@@ -333,8 +335,6 @@ def main() -> int:
     if whole:
         print("\nunbucketed (bucket_size=None), ratios against the smallest bucketed build:")
         print_table(whole, bucketed[0])
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
     return 0
 
 
