@@ -13,6 +13,7 @@ Usage:
     python benchmarks/scale.py --sizes 100k,1M,10M --embedder fake   # hash embedder, no model
     python benchmarks/scale.py --sizes 100k --embedder real          # all-MiniLM-L6-v2 (slow on CPU)
     python benchmarks/scale.py --quality                             # bucketed vs whole, on 2 QA sets
+    python benchmarks/scale.py --report a.json b.json                # tables of saved --json runs
 
 ``--embedder fake`` uses raptor_core.testing.FakeEmbedder (hashed bag of words, 384
 dimensions): clustering cost is what this measures, and embedding 10M tokens with the real
@@ -216,6 +217,18 @@ def print_table(rows: list[dict[str, Any]], base: dict[str, Any]) -> list[str]:
     return lines
 
 
+def report(rows: list[dict[str, Any]], bucket: int | None) -> None:
+    bucketed = [r for r in rows if r["bucket_size"] == bucket]
+    whole = [r for r in rows if r["bucket_size"] is None and bucket is not None]
+    if not bucketed:
+        return
+    print("\nCPU µs per token by stage (one thread); ratios against the smallest size:")
+    print_table(bucketed, bucketed[0])
+    if whole:
+        print("\nunbucketed (bucket_size=None), ratios against the smallest bucketed build:")
+        print_table(whole, bucketed[0])
+
+
 def quality(args: argparse.Namespace) -> int:
     from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
     from raptor_core.build.clustering import GMMClusterer
@@ -289,12 +302,19 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--quality", action="store_true", help="the quality check instead")
     parser.add_argument("--low-bucket", type=int, default=100, help="bucket_size of --quality")
+    parser.add_argument(
+        "--report", type=Path, nargs="+", default=None, help="print the tables of saved --json runs"
+    )
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     bucket = None if args.bucket_size.lower() == "none" else int(args.bucket_size)
 
     if args.child is not None:
         print(json.dumps(build_once(args.child, args.embedder, bucket, args.seed)))
+        return 0
+    if args.report:
+        saved = [row for path in args.report for row in json.loads(path.read_text())]
+        report(sorted(saved, key=lambda r: r["tokens"]), bucket)
         return 0
     if not any(DATA.glob("*_docs.jsonl")):
         print(f"scale benchmark: no *_docs.jsonl under {DATA}; nothing to do")
@@ -328,13 +348,7 @@ def main() -> int:
             )
             if args.json:  # after every build: a long run stopped early keeps what it measured
                 args.json.write_text(json.dumps(rows, indent=2))
-    bucketed = [r for r in rows if r["bucket_size"] == bucket]
-    whole = [r for r in rows if r["bucket_size"] is None and bucket is not None]
-    print("\nCPU µs per token by stage (one thread); ratios against the smallest size:")
-    print_table(bucketed, bucketed[0])
-    if whole:
-        print("\nunbucketed (bucket_size=None), ratios against the smallest bucketed build:")
-        print_table(whole, bucketed[0])
+    report(rows, bucket)
     return 0
 
 
