@@ -236,7 +236,10 @@ def quality(args: argparse.Namespace) -> int:
     from raptor_core.retrieval.registry import DEFAULT_STRATEGY
 
     #: set -> (primary metric, documents, questions) of the reduced run.
-    sets = {"qasper": ("evidence_recall", 8, 40), "fairytaleqa": ("span_recall", 6, 60)}
+    sets = {
+        "qasper": ("evidence_recall", args.quality_docs, 30),
+        "fairytaleqa": ("span_recall", args.quality_docs, 40),
+    }
     embedder = SentenceTransformerEmbedder()
     variants = [
         ("default (seed 0)", args.seed, None),
@@ -301,7 +304,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--quality", action="store_true", help="the quality check instead")
-    parser.add_argument("--low-bucket", type=int, default=100, help="bucket_size of --quality")
+    parser.add_argument("--low-bucket", type=int, default=64, help="bucket_size of --quality")
+    parser.add_argument("--quality-docs", type=int, default=5, help="documents per set (--quality)")
     parser.add_argument(
         "--report", type=Path, nargs="+", default=None, help="print the tables of saved --json runs"
     )
