@@ -255,7 +255,12 @@ def quality(args: argparse.Namespace) -> int:
     for name, (metric, n_docs, n_questions) in sets.items():
         docs = load_documents(DATA / f"{name}_docs.jsonl")
         questions = load_questions(DATA / f"{name}.jsonl", docs)
-        docs, questions = select(docs, questions, limit_docs=n_docs, limit_questions=n_questions)
+        if n_docs <= 0:  # --quality-docs 0: every document and question of the set
+            docs, questions = select(docs, questions, limit_docs=None, limit_questions=None)
+        else:
+            docs, questions = select(
+                docs, questions, limit_docs=n_docs, limit_questions=n_questions
+            )
         scores: dict[str, dict[tuple[str, int], float]] = {}
         for title, seed, bucket in variants:
             kwargs: dict[str, Any] = {}
@@ -305,7 +310,12 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--quality", action="store_true", help="the quality check instead")
     parser.add_argument("--low-bucket", type=int, default=64, help="bucket_size of --quality")
-    parser.add_argument("--quality-docs", type=int, default=5, help="documents per set (--quality)")
+    parser.add_argument(
+        "--quality-docs",
+        type=int,
+        default=5,
+        help="documents per set (--quality; 0: all, with every question)",
+    )
     parser.add_argument(
         "--report", type=Path, nargs="+", default=None, help="print the tables of saved --json runs"
     )
