@@ -193,3 +193,20 @@ def test_cluster_within_limit_leaves_other_clusterers_alone() -> None:
     clusters = cluster_within_limit(GroupClusterer(3), x, [5] * 30, 100, map_fn=record)
     assert record.calls == []
     assert covers(clusters, 30)
+
+
+@pytest.mark.slow
+def test_buckets_run_in_other_processes_with_the_same_result() -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    x = blobs(7)
+    clusterer = GMMClusterer(random_state=2, bucket_size=80)
+    serial = clusterer.cluster(x)
+    context = multiprocessing.get_context("spawn")  # nothing inherited: the jobs must pickle
+    with ProcessPoolExecutor(max_workers=2, mp_context=context) as pool:
+
+        def in_pool(fn: Callable[[T], R], items: Sequence[T], /) -> list[R]:
+            return list(pool.map(fn, items))
+
+        assert clusterer.cluster(x, map_fn=in_pool) == serial
