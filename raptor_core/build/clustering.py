@@ -15,6 +15,19 @@ whole, as the paper's code does for local clusters: see :meth:`GMMClusterer._sof
 :func:`cluster_within_limit` adds the paper's recursive re-clustering of clusters whose text
 would not fit the summariser's context.
 
+**Corpus scale (buckets).**  The global step is superlinear: UMAP's neighbour graph and its
+layout grow faster than the number of points (one pass over 11,661 chunk vectors took 37-42 s),
+and its exact neighbours need an ``(n, n)`` matrix.  Above ``bucket_size`` points,
+:meth:`GMMClusterer.cluster` first cuts the vectors into buckets of at most ``bucket_size`` near
+points (seeded k-means on a sample, assigned to the nearest centre: see :func:`_partition`),
+runs the two-step method in each bucket on its own, and returns the union of the buckets'
+clusters.  Time and memory per point are then bounded by the bucket size, so a layer costs
+time linear in its size; the layers above, once smaller than a bucket, are clustered whole,
+so the tree still merges everything upward.  Each bucket is one self-contained job
+(:class:`BucketJob`, run by the module-level :func:`cluster_bucket`), handed to a ``map_fn``
+that may run them in other threads or processes: the result does not depend on the order or
+place they run in.
+
 Speed: with the paper's full sweep (k = 1..49 per mixture fit) one call on 500 MiniLM chunk
 vectors took 12.6 s on 2 cores; it takes about 2 s here, through choices that keep the method:
 
@@ -35,13 +48,15 @@ vectors took 12.6 s on 2 cores; it takes about 2 s here, through choices that ke
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -50,7 +65,7 @@ from raptor_core._imports import require
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 from raptor_core.types import Clusterer
 
-__all__ = ["GMMClusterer", "cluster_within_limit"]
+__all__ = ["BucketJob", "GMMClusterer", "MapFn", "cluster_bucket", "cluster_within_limit"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +81,65 @@ _METRICS = ("cosine", "euclidean", "manhattan")
 _REG_COVAR = 1e-6
 
 _jit_cache_enabled = False
+
+#: Default ``bucket_size``.  The two-step method's cost per point grows with the input: on 5,442
+#: MiniLM chunk vectors (2 loaded cores), buckets of at most 1,000 / 2,000 / 4,000 rows took
+#: 7.8 / 7.6 / 11.9 ms per point, and the whole of 4,000 rows 31 ms (benchmarks/results/scale.md).
+#: 2,000 also stays below UMAP's exact-neighbour cut-off (4096): one (n, n) matrix, 16 MB.
+DEFAULT_BUCKET_SIZE = 2000
+#: The pre-partition's k-means aims at buckets half this full, so that k-means' uneven cluster
+#: sizes mostly fit without a second split.
+_BUCKET_FILL = 0.5
+#: k-means for the pre-partition is fitted on at most this many sampled rows per centre (and at
+#: least _PARTITION_SAMPLE_MIN rows); every row is then assigned to its nearest centre.
+_PARTITION_SAMPLE_PER_CENTRE = 256
+_PARTITION_SAMPLE_MIN = 10_000
+#: Rows assigned to nearest centres per block: bounds the (block, k) score matrix.
+_ASSIGN_BLOCK = 65_536
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+class MapFn(Protocol):
+    """``map_fn(fn, items) -> [fn(item) for item in items]``, run wherever the caller likes.
+
+    ``fn`` is a module-level function (picklable) and each item is self-contained, so an
+    implementation may run the calls in threads or other processes, in any order; it must
+    return the results in the order of ``items``.
+    """
+
+    def __call__(self, fn: Callable[[_T], _R], items: Sequence[_T], /) -> list[_R]:
+        """Return ``[fn(item) for item in items]``."""
+        ...
+
+
+def _serial_map(fn: Callable[[_T], _R], items: Sequence[_T], /) -> list[_R]:
+    return [fn(item) for item in items]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BucketJob:
+    """One bucket of a bucketed :meth:`GMMClusterer.cluster` call: everything needed to redo it.
+
+    Attributes:
+        vectors: the bucket's rows, shape ``(m, d)``.
+        params: :meth:`GMMClusterer.get_params` of the calling clusterer.
+        seed: the bucket's own seed (drawn from the caller's ``random_state``).
+    """
+
+    vectors: NDArray[np.float32]
+    params: dict[str, Any]
+    seed: int
+
+
+def cluster_bucket(job: BucketJob) -> list[list[int]]:
+    """Cluster one bucket with the two-step method; indices are rows of ``job.vectors``.
+
+    A module-level function so that a ``map_fn`` can send it to another process.
+    """
+    params = {**job.params, "random_state": job.seed, "bucket_size": None}
+    return GMMClusterer(**params).cluster(job.vectors)
 
 
 class GMMClusterer:
@@ -86,6 +160,9 @@ class GMMClusterer:
             ``"manhattan"``.
         random_state: seed for UMAP and the mixtures; the same seed and input give the same
             clusters.  None draws fresh randomness.
+        bucket_size: inputs with more rows than this are cut into buckets of at most this many
+            near rows, each clustered on its own (see the module docstring); None clusters
+            every input whole, as the paper does.  At least ``2 * (reduction_dim + 1)``.
 
     At most ``reduction_dim + 1`` points (the whole input, or one global cluster) are kept as
     one cluster, as the paper's code does: too few for UMAP or for a meaningful mixture.
@@ -111,6 +188,7 @@ class GMMClusterer:
         local_n_neighbors: int = 10,
         metric: str = "cosine",
         random_state: int | None = None,
+        bucket_size: int | None = DEFAULT_BUCKET_SIZE,
     ) -> None:
         self.reduction_dim = reduction_dim
         self.threshold = threshold
@@ -119,6 +197,7 @@ class GMMClusterer:
         self.local_n_neighbors = local_n_neighbors
         self.metric = metric
         self.random_state = random_state
+        self.bucket_size = bucket_size
 
     def get_params(self) -> dict[str, Any]:
         """Return the constructor parameters (scikit-learn style)."""
@@ -130,6 +209,7 @@ class GMMClusterer:
             "local_n_neighbors": self.local_n_neighbors,
             "metric": self.metric,
             "random_state": self.random_state,
+            "bucket_size": self.bucket_size,
         }
 
     def __repr__(self) -> str:
@@ -137,18 +217,25 @@ class GMMClusterer:
         return f"{type(self).__name__}({args})"
 
     # -- public API ----------------------------------------------------------------------------
-    def cluster(self, vectors: NDArray[np.float32]) -> list[list[int]]:
+    def cluster(
+        self, vectors: NDArray[np.float32], *, map_fn: MapFn | None = None
+    ) -> list[list[int]]:
         """Soft-cluster the rows of ``vectors``.
 
         Args:
             vectors: array of shape ``(n, d)``.
+            map_fn: runs the per-bucket jobs when the input is bucketed (more than
+                ``bucket_size`` rows): ``map_fn(cluster_bucket, jobs)`` must return
+                ``[cluster_bucket(job) for job in jobs]``, computed anywhere (threads,
+                processes, a cluster).  None runs them one after the other here.
 
         Returns:
             Lists of row indices, each sorted; the lists are sorted too and pairwise distinct.
             They may overlap, and together they cover every row.
 
         Raises:
-            InvalidParameterError: a constructor parameter is out of range.
+            InvalidParameterError: a constructor parameter is out of range, or ``map_fn``
+                returned the wrong number of results.
             InvalidInputError: ``vectors`` is not a finite 2-D array.
         """
         self._validate()
@@ -161,6 +248,8 @@ class GMMClusterer:
         # everything before entering the cap.
         require("sklearn.mixture", package="scikit-learn")
         _load_umap()
+        if self.bucket_size is not None and n > self.bucket_size:
+            return self._bucketed(x, self.bucket_size, map_fn or _serial_map, threadpoolctl)
         # One BLAS/OpenMP thread: the matrices here are small (n x n distances, 10-dimensional
         # mixtures), so threads buy little, while their different summation orders would make
         # the seeded result depend on the thread count, and their wake-ups and spin-waits make
@@ -170,6 +259,40 @@ class GMMClusterer:
             found = self._two_step(x)
         # Canonical order, independent of how the mixtures happened to number their components.
         return [list(c) for c in sorted(set(found))]
+
+    def _bucketed(
+        self,
+        x: NDArray[np.float32],
+        bucket_size: int,
+        map_fn: MapFn,
+        threadpoolctl: ModuleType,
+    ) -> list[list[int]]:
+        """Partition ``x`` into buckets, cluster each through ``map_fn``, merge the clusters."""
+        rng = np.random.default_rng(self.random_state)
+        partition_seed = _seed(rng)
+        # One thread for the same reason as the two-step method: k-means sums in an order
+        # that depends on the thread count, and the buckets must not.
+        with threadpoolctl.threadpool_limits(limits=1):
+            buckets = _partition(x, bucket_size, self.metric, partition_seed)
+        # Seeds drawn in bucket order (buckets are ordered by their first row), so each job's
+        # result is fixed before any of them runs, whatever order map_fn runs them in.
+        params = self.get_params()
+        jobs = [BucketJob(vectors=x[rows], params=params, seed=_seed(rng)) for rows in buckets]
+        logger.debug(
+            "bucketed clustering: %d rows in %d buckets (largest %d)",
+            x.shape[0],
+            len(buckets),
+            max(len(b) for b in buckets),
+        )
+        results = list(map_fn(cluster_bucket, jobs))
+        if len(results) != len(jobs):
+            msg = f"map_fn returned {len(results)} results for {len(jobs)} bucket jobs; it must return one per item, in order"
+            raise InvalidParameterError(msg)
+        found: set[tuple[int, ...]] = set()
+        for rows, clusters in zip(buckets, results, strict=True):
+            for cluster in clusters:
+                found.add(tuple(rows[np.asarray(cluster, dtype=np.intp)].tolist()))
+        return [list(c) for c in sorted(found)]
 
     # -- steps ---------------------------------------------------------------------------------
     def _two_step(self, x: NDArray[np.float32]) -> list[tuple[int, ...]]:
@@ -210,6 +333,9 @@ class GMMClusterer:
         if rs is not None and not _is_int(rs):
             msg = f"random_state must be an integer or None, got {rs!r}"
             raise InvalidParameterError(msg)
+        if self.bucket_size is not None:
+            # A bucket must hold enough rows for UMAP and a mixture: smaller sets are kept whole.
+            positive_int("bucket_size", self.bucket_size, 2 * (self.reduction_dim + 1))
 
     def _soft_clusters(
         self, x: NDArray[np.float32], n_neighbors: int, rng: np.random.Generator
@@ -405,6 +531,84 @@ def _bic_gmm_soft(
     return [np.flatnonzero(member[:, j]) for j in range(member.shape[1]) if member[:, j].any()]
 
 
+def _partition(
+    x: NDArray[np.float32], bucket_size: int, metric: str, seed: int
+) -> list[NDArray[np.intp]]:
+    """Cut the rows of ``x`` into buckets of at most ``bucket_size`` near rows.
+
+    Seeded k-means (on unit rows for the cosine metric, so near-spherical k-means) is fitted on
+    a sample and every row goes to its nearest centre: O(n * k * d) time and O(block * k)
+    memory beyond the input, with ``k`` about ``2 n / bucket_size``.  Centres that attract
+    fewer than ``bucket_size / 8`` rows are dropped and their rows go to the next nearest, so
+    no bucket is too small to cluster.  A bucket still over the limit is cut again the same
+    way; every cut makes at least two non-empty parts, so this terminates.  Manhattan vectors
+    are partitioned by euclidean k-means: only the buckets' contents matter, not their shape.
+
+    Returns:
+        Sorted row-index arrays that partition ``range(n)``, ordered by their first row.
+    """
+    y = _unit_rows(x) if metric == "cosine" else x
+    rng = np.random.default_rng(seed)
+    min_rows = max(2, bucket_size // 8)
+    parts: list[NDArray[np.intp]] = []
+    todo = [np.arange(x.shape[0])]
+    while todo:
+        rows = todo.pop()
+        if len(rows) <= bucket_size:
+            parts.append(rows)
+            continue
+        k = math.ceil(len(rows) / (_BUCKET_FILL * bucket_size))
+        groups = _kmeans_split(y[rows], k, min_rows, _seed(rng))
+        if len(groups) < 2:  # all rows identical: any cut is as good as another
+            groups = np.array_split(np.arange(len(rows)), math.ceil(len(rows) / bucket_size))
+        todo.extend(rows[g] for g in groups)
+    parts.sort(key=lambda rows: int(rows[0]))
+    return parts
+
+
+def _kmeans_split(
+    y: NDArray[np.float32], k: int, min_rows: int, seed: int
+) -> list[NDArray[np.intp]]:
+    """Rows of ``y`` grouped by nearest k-means centre (fitted on a sample); sorted index arrays."""
+    cluster = require("sklearn.cluster", package="scikit-learn")
+    rng = np.random.default_rng(seed)
+    n = y.shape[0]
+    size = min(n, max(_PARTITION_SAMPLE_MIN, _PARTITION_SAMPLE_PER_CENTRE * k))
+    if _all_identical(y, "euclidean"):
+        return [np.arange(n)]
+    sample = np.sort(rng.choice(n, size=size, replace=False))
+    with warnings.catch_warnings():
+        # Fewer distinct sample points than k: k-means warns and returns duplicate centres,
+        # which simply attract no rows below.
+        warnings.filterwarnings("ignore", message="Number of distinct clusters")
+        km = cluster.KMeans(n_clusters=min(k, size), n_init=1, max_iter=50, random_state=seed)
+        km.fit(y[sample].astype(np.float64))
+    centres = np.asarray(km.cluster_centers_, dtype=np.float64)
+    labels = _nearest(y, centres)
+    counts = np.bincount(labels, minlength=len(centres))
+    # Drop centres too small to be worth a bucket (keeping the two largest at least, so the
+    # cut always makes progress) and give their rows to the nearest centre that stays.
+    keep = counts >= min_rows
+    if keep.sum() < 2:
+        keep = np.zeros(len(centres), dtype=bool)
+        keep[np.argsort(-counts, kind="stable")[:2]] = True
+    if not keep.all():
+        labels = np.flatnonzero(keep)[_nearest(y, centres[keep])]
+    groups = [np.flatnonzero(labels == j) for j in range(len(centres))]
+    return [g for g in groups if len(g)]
+
+
+def _nearest(y: NDArray[np.float32], centres: NDArray[np.float64]) -> NDArray[np.intp]:
+    """Index of each row's nearest centre (euclidean), in blocks to bound memory."""
+    half_sq = 0.5 * np.einsum("ij,ij->i", centres, centres)
+    out = np.empty(y.shape[0], dtype=np.intp)
+    for start in range(0, y.shape[0], _ASSIGN_BLOCK):
+        block = y[start : start + _ASSIGN_BLOCK].astype(np.float64)
+        # argmin |y - c|^2 = argmax (y.c - |c|^2 / 2): one matrix product per block.
+        out[start : start + len(block)] = np.argmax(block @ centres.T - half_sq, axis=1)
+    return out
+
+
 def _load_umap() -> ModuleType:
     """Import umap-learn (seconds: it brings numba and pynndescent) and enable its JIT cache."""
     with warnings.catch_warnings():
@@ -460,6 +664,8 @@ def cluster_within_limit(
     vectors: NDArray[np.float32],
     token_counts: Sequence[int],
     max_tokens: int,
+    *,
+    map_fn: MapFn | None = None,
 ) -> list[list[int]]:
     """Cluster, then re-cluster every cluster whose texts exceed ``max_tokens`` (paper, §3).
 
@@ -478,6 +684,9 @@ def cluster_within_limit(
         vectors: array of shape ``(n, d)``.
         token_counts: tokens of each row's text, length ``n``.
         max_tokens: the most tokens a cluster of two or more rows may hold in total.
+        map_fn: passed on as ``clusterer.cluster(vectors, map_fn=map_fn)`` to a clusterer whose
+            ``cluster`` takes a ``map_fn`` keyword (:class:`GMMClusterer` runs its buckets
+            through it); other clusterers are called without it.
 
     Returns:
         Clusters as sorted lists of row indices, without duplicates, in a deterministic order.
@@ -512,7 +721,8 @@ def cluster_within_limit(
     out: dict[tuple[int, ...], None] = {}  # insertion-ordered set
     # Depth-first over an explicit stack: no recursion limit, output in a deterministic order.
     stack: list[tuple[NDArray[np.intp], int]] = []
-    for child in reversed(_clusterer_children(clusterer, x, everything)):
+    run = _cluster_call(clusterer, map_fn)
+    for child in reversed(_clusterer_children(run, clusterer, x, everything)):
         # A cluster holding every row was just returned for these very rows: asking the
         # clusterer again would repeat it, so such a cluster goes straight to the split.
         stack.append((child, 1 if len(child) < n else _MAX_RECLUSTER_DEPTH + 1))
@@ -523,7 +733,7 @@ def cluster_within_limit(
             continue
         children: list[NDArray[np.intp]] | None = None
         if depth <= _MAX_RECLUSTER_DEPTH and len(members) > 2:
-            children = _clusterer_children(clusterer, x, members)
+            children = _clusterer_children(run, clusterer, x, members)
             if not _makes_progress(children, members):
                 logger.debug("re-clustering %d rows made no progress; splitting", len(members))
                 children = None
@@ -534,14 +744,33 @@ def cluster_within_limit(
     return [list(c) for c in out]
 
 
+def _cluster_call(
+    clusterer: Clusterer, map_fn: MapFn | None
+) -> Callable[[NDArray[np.float32]], list[list[int]]]:
+    """``clusterer.cluster``, with ``map_fn`` bound when given and the clusterer accepts it."""
+    if map_fn is None:
+        return clusterer.cluster
+    try:
+        accepts = "map_fn" in inspect.signature(clusterer.cluster).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        accepts = False
+    if not accepts:
+        return clusterer.cluster
+    cluster_with_map: Callable[..., list[list[int]]] = clusterer.cluster
+    return lambda vectors: cluster_with_map(vectors, map_fn=map_fn)
+
+
 def _clusterer_children(
-    clusterer: Clusterer, x: NDArray[Any], members: NDArray[np.intp]
+    run: Callable[[NDArray[np.float32]], list[list[int]]],
+    clusterer: Clusterer,
+    x: NDArray[Any],
+    members: NDArray[np.intp],
 ) -> list[NDArray[np.intp]]:
-    """Run ``clusterer`` on ``x[members]`` and map its clusters back to row indices.
+    """Run ``run`` (``clusterer``'s ``cluster``) on ``x[members]`` and map its clusters back to rows.
 
     Rows the clusterer left out are gathered into one extra cluster so coverage is kept.
     """
-    raw = clusterer.cluster(x[members])
+    raw = run(x[members])
     m = len(members)
     covered = np.zeros(m, dtype=bool)
     children: list[NDArray[np.intp]] = []
