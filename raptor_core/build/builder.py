@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import json
 import logging
 import math
@@ -14,7 +15,7 @@ import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -802,7 +803,7 @@ class _BuildRun:
     # -- stage: cluster ------------------------------------------------------------------------
     def next_clusters(self) -> bool:
         """Cluster the current layer; False when the tree is finished (and why is recorded)."""
-        from raptor_core.build.clustering import cluster_within_limit
+        from raptor_core.build.clustering import MapFn, cluster_within_limit
 
         n = len(self.layer_nodes)
         if self.layer >= self.b.max_layers:
@@ -814,8 +815,14 @@ class _BuildRun:
         start = time.perf_counter()
         self.clock.begin("cluster")
         tokens = [node.token_count for node in self.layer_nodes]
+        map_fn = None
+        if self.executor is not None:
+            # Independent buckets of a large layer are clustered wherever the executor runs
+            # tasks (in parallel on a Ray cluster); each job carries its own seed, so the
+            # clusters are the same in any order.
+            map_fn = cast(MapFn, functools.partial(self.executor.map_tasks, stage="cluster"))
         clusters = cluster_within_limit(
-            self.clusterer, self.layer_vectors, tokens, self.b.cluster_max_tokens
+            self.clusterer, self.layer_vectors, tokens, self.b.cluster_max_tokens, map_fn=map_fn
         )
         self.timings["cluster"] += time.perf_counter() - start
         self._progress("cluster", self.layer + 1, self.layer + 1)

@@ -236,6 +236,27 @@ def test_the_tree_is_the_same_with_any_executor() -> None:
     assert all(limit == 4 for _, _, limit in summaries)  # the builder's max_concurrency
 
 
+def test_cluster_buckets_run_on_the_executor() -> None:
+    from raptor_core.build.clustering import GMMClusterer
+
+    def bucketed() -> GMMClusterer:
+        return GMMClusterer(random_state=0, bucket_size=22)  # the smallest allowed
+
+    docs = [
+        {"doc_id": f"{d['doc_id']}-{i}", "text": f"{d['text']} {d['text'].upper()} Part {i}."}
+        for i in range(3)
+        for d in DOCS
+    ]
+    plain = builder(clusterer=bucketed()).build(docs)
+    assert len(plain.leaves) > 22
+    shuffled_executor = ShuffledExecutor()
+    shuffled = builder(shuffled_executor, clusterer=bucketed()).build(docs)
+    assert_same_tree(plain, shuffled)
+    buckets = [n for stage, n, _ in shuffled_executor.calls if stage == "cluster"]
+    assert buckets, "the leaf layer is larger than bucket_size: its buckets go to the executor"
+    assert all(n >= 2 for n in buckets)
+
+
 def test_embedding_batches_are_the_builders_256() -> None:
     docs = [
         {"doc_id": f"d{i}", "text": f"Word{i} alpha{i % 7}. Beta{i % 5} gamma."} for i in range(300)
