@@ -466,6 +466,20 @@ def test_from_documents_with_langchain_models() -> None:
     assert leaf.metadata["source"].endswith(".md")  # the LangChain document's metadata
 
 
+def test_from_documents_honours_a_summary_budget() -> None:
+    from raptor_core import BudgetExceededError, LLMBudget
+
+    llm = FakeListChatModel(responses=["A summary about pets and space."])
+    with pytest.raises(BudgetExceededError, match="max_summary_tokens"):
+        RaptorRetriever.from_documents(
+            LC_DOCS,
+            embeddings=DeterministicFakeEmbedding(size=32),
+            llm=llm,
+            budget=LLMBudget(max_summary_tokens=5),  # less than any one summary call needs
+            **fast_build_options(),
+        )
+
+
 async def test_afrom_documents_uses_the_async_apis() -> None:
     llm = FakeListChatModel(responses=["An async summary."])
     retriever = await RaptorRetriever.afrom_documents(

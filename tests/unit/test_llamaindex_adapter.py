@@ -1020,3 +1020,18 @@ def test_default_strategy_is_the_core_default_and_returns_passages() -> None:
     assert joined and joined[0].node.metadata["raptor_leaves"] == ["L0.0", "L0.1"]
     assert "raptor_leaves" in joined[0].node.excluded_llm_metadata_keys
     assert all(0.0 <= (n.score or 0.0) <= 1.0 for n in nodes)
+
+
+def test_from_documents_honours_a_summary_budget() -> None:
+    from raptor_core import BudgetExceededError, LLMBudget
+
+    llm = RecordingLLM()
+    with pytest.raises(BudgetExceededError, match="max_summary_tokens"):
+        RaptorIndex.from_documents(
+            documents(),
+            embed_model=FakeEmbedder(32),
+            llm=llm,
+            budget=LLMBudget(max_summary_tokens=5),  # less than any one summary call needs
+            **fast_options(),
+        )
+    assert llm._calls == []  # refused before the first call, not after it
