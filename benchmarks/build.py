@@ -115,13 +115,23 @@ def main() -> int:
             f"{stage:<10} {timings[stage]:>9.2f} {timings[stage] / embed:>9.2f} {timings[stage] / total:>7.1%}"
         )
     print(f"{'total':<10} {total:>9.2f} {total / embed:>9.2f}")
+    import resource
+
+    # ru_maxrss is in KiB on Linux (bytes on macOS).
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (
+        1 << 20 if sys.platform == "darwin" else 1 << 10
+    )
+    print(f"peak RSS {peak:.0f} MB; {total / n_tokens * 1e3:.3f} ms per token")
     verdict = "OK" if timings["cluster"] < timings["embed"] else "SLOW"
     print(
         f"clustering / embedding = {timings['cluster'] / embed:.2f} ({verdict}: must stay below 1)"
     )
     if args.json:
         args.json.write_text(
-            json.dumps({"tokens": n_tokens, "timings": timings, "total": total}, indent=2)
+            json.dumps(
+                {"tokens": n_tokens, "timings": timings, "total": total, "peak_rss_mb": peak},
+                indent=2,
+            )
         )
     return 0
 
