@@ -391,19 +391,18 @@ class ExecutorEmbedder:
         ``embed_spans`` on the same batches, and the summariser here remembers each text's
         in-context sentence vectors under its own embedder, so its summaries are the same.
         """
-        from raptor_core.build.summarizers import _sentence_spans, _unit_rows
+        from raptor_core.build.summarizers import sentence_spans
 
         work = []
         sentences: list[list[str]] = []
         for texts in batches:
-            found, spans = zip(*(_sentence_spans(t) for t in texts), strict=True)
-            sentences.extend(list(s) for s in found)
-            work.append((texts, list(spans)))
+            found, spans = sentence_spans(texts)
+            sentences.extend(found)
+            work.append((texts, spans))
         parts = self.executor.map_batches(SpanBatch(self.embedder), work, stage="embed")
         rows = [row for _, part_rows in parts for row in part_rows]
-        checked = [_unit_rows(r, len(s)) for r, s in zip(rows, sentences, strict=True)]
         texts = [t for batch in batches for t in batch]
-        self.tap_into._remember(self.embedder, texts, checked, sentences)  # type: ignore[attr-defined]
+        self.tap_into._remember_in_context(self.embedder, texts, sentences, rows)  # type: ignore[attr-defined]
         return np.concatenate([np.asarray(v, dtype=np.float32) for v, _ in parts])
 
     def embed_query(self, text: str) -> NDArray[np.float32]:

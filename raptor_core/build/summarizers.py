@@ -99,9 +99,7 @@ class ExtractiveSummarizer:
     def _sentence_vectors(self, embedder: Embedder, sentences: list[str]) -> NDArray[np.float32]:
         """Unit vectors of ``sentences`` (distinct strings), embedding only the ones not memoised."""
         with self._lock:
-            if self._memo_owner is not embedder:  # another model: old vectors are meaningless
-                self._memo.clear()
-                self._memo_owner = embedder
+            self._claim_memo(embedder)
             missing = list(dict.fromkeys(s for s in sentences if s not in self._memo))
         fresh = _unit_rows(embedder.embed_documents(missing), len(missing)) if missing else None
         with self._lock:
@@ -130,20 +128,26 @@ class ExtractiveSummarizer:
             return embedder
         return _SentenceVectorTap(embedder, self)
 
-    def _remember(
+    def _claim_memo(self, embedder: object) -> None:
+        """Make the memos ``embedder``'s (hold the lock): another model's vectors are meaningless."""
+        if self._memo_owner is not embedder:
+            self._memo.clear()
+            self._in_context.clear()
+            self._in_context_size = 0
+            self._memo_owner = embedder
+
+    def _remember_in_context(
         self,
         embedder: object,
         texts: Sequence[str],
-        rows: Sequence[NDArray[np.float32]],
         sentences: Sequence[list[str]],
-    ) -> None:
+        rows: Sequence[object],
+    ) -> list[NDArray[np.float32]]:
+        """Check ``embed_spans`` rows (one per sentence of each text), keep them, return them."""
+        checked = [_unit_rows(r, len(found)) for r, found in zip(rows, sentences, strict=True)]
         with self._lock:
-            if self._memo_owner is not embedder:  # another model: old vectors are meaningless
-                self._memo.clear()
-                self._in_context.clear()
-                self._in_context_size = 0
-                self._memo_owner = embedder
-            for text, found, vectors in zip(texts, sentences, rows, strict=True):
+            self._claim_memo(embedder)
+            for text, found, vectors in zip(texts, sentences, checked, strict=True):
                 if text in self._in_context:
                     continue
                 if self._in_context_size + len(found) > self.memo_size:
@@ -152,27 +156,21 @@ class ExtractiveSummarizer:
                 if self.memo_size > 0:
                     self._in_context[text] = (found, vectors)
                     self._in_context_size += len(found)
+        return checked
 
     def _in_context_vectors(
         self, embedder: SpanEmbedder, texts: Sequence[str]
     ) -> list[tuple[list[str], NDArray[np.float32]]]:
         """Each text's sentences and their in-context vectors, embedding the texts not seen."""
         with self._lock:
-            if self._memo_owner is not embedder:
-                self._memo.clear()
-                self._in_context.clear()
-                self._in_context_size = 0
-                self._memo_owner = embedder
+            self._claim_memo(embedder)
             known = {t: self._in_context[t] for t in texts if t in self._in_context}
         missing = list(dict.fromkeys(t for t in texts if t not in known))
         if missing:
-            sentences, spans = zip(*(_sentence_spans(t) for t in missing), strict=True)
+            sentences, spans = sentence_spans(missing)
             _, rows = embedder.embed_spans(missing, spans)
-            checked = [_unit_rows(r, len(s)) for r, s in zip(rows, sentences, strict=True)]
-            self._remember(embedder, missing, checked, list(sentences))
-            known.update(
-                (t, (list(s), r)) for t, s, r in zip(missing, sentences, checked, strict=True)
-            )
+            checked = self._remember_in_context(embedder, missing, sentences, rows)
+            known.update(zip(missing, zip(sentences, checked, strict=True), strict=True))
         return [known[t] for t in texts]
 
     def _cluster_sentences_in_context(
@@ -261,12 +259,9 @@ class _SentenceVectorTap:
 
     def embed_documents(self, texts: Sequence[str]) -> NDArray[np.float32]:
         texts = list(texts)
-        sentences, spans = (
-            zip(*(_sentence_spans(t) for t in texts), strict=True) if texts else ((), ())
-        )
+        sentences, spans = sentence_spans(texts)
         vectors, rows = cast(SpanEmbedder, self.inner).embed_spans(texts, spans)
-        checked = [_unit_rows(r, len(s)) for r, s in zip(rows, sentences, strict=True)]
-        self.summarizer._remember(self.inner, texts, checked, [list(s) for s in sentences])
+        self.summarizer._remember_in_context(self.inner, texts, sentences, rows)
         return vectors
 
     def embed_query(self, text: str) -> NDArray[np.float32]:
@@ -285,6 +280,14 @@ def _sentence_spans(text: str) -> tuple[list[str], list[tuple[int, int]]]:
             sentences.append(sentence)
             spans.append((start, end))
     return sentences, spans
+
+
+def sentence_spans(
+    texts: Sequence[str],
+) -> tuple[list[list[str]], list[list[tuple[int, int]]]]:
+    """Per text, its sentences and their spans (see :func:`_sentence_spans`): ``embed_spans`` input."""
+    pairs = [_sentence_spans(t) for t in texts]
+    return [found for found, _ in pairs], [spans for _, spans in pairs]
 
 
 def _unit_rows(vectors: object, expected: int) -> NDArray[np.float32]:
