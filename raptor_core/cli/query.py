@@ -49,6 +49,7 @@ _STRATEGY_FLAGS = {
     "chunk_k": "chunk_k",
     "window": "window",
     "rank_factor": "rank_factor",
+    "max_share": "max_share",
     "min_score": "min_score",
     "llm_timeout": "llm_timeout",
     "search_timeout": "timeout",
@@ -214,6 +215,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     add("--min-score", type=finite_float, default=None, help="ignore nodes below this cosine")
     add("--window", type=int_range(0), default=None, help="passage: leaves added each side (2)")
     add("--rank-factor", type=finite_float, default=None, help="passage: neighbour rank depth (4)")
+    add(
+        "--max-share",
+        type=finite_float,
+        default=None,
+        help="passage: share of the budget one seed may grow into (0.5)",
+    )
     add("--llm-timeout", type=positive_float, default=None, help="llm/hybrid: seconds per LLM call")
     add("--search-timeout", type=positive_float, default=None, help="hybrid: seconds in all (60)")
     add("--llm", choices=["openai"], default=None, help="llm/hybrid: the chat model's API")

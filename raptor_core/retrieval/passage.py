@@ -306,11 +306,12 @@ class _Selection:
             self.taken[leaf] = True
             self.used += cost
             self.passages += 1 - joins
-            if self.passages >= self.k or (
-                self.max_tokens is not None and self.used >= self.max_tokens
-            ):
+            if self.max_tokens is not None and self.used >= self.max_tokens:
                 self.done = True
                 return
+        # The k-th passage still grows with its seed's neighbours; then no seed may follow.
+        if self.passages >= self.k:
+            self.done = True
 
     def runs(self) -> list[list[int]]:
         """The selected leaves as maximal runs of neighbours, each in document order."""

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from raptor_core import DEFAULT_STRATEGY, PassageRetriever, Tree, TreeBuilder, make_retriever
+from raptor_core import DEFAULT_STRATEGY, Node, PassageRetriever, Tree, TreeBuilder, make_retriever
 from raptor_core.exceptions import InvalidParameterError
 from raptor_core.retrieval.lexical import BM25Index, lexical_tokens
 from raptor_core.retrieval.passage import SEPARATOR, seed_strength
@@ -253,3 +253,75 @@ def test_bm25_tokens_and_edge_cases() -> None:
     assert BM25Index(["bees"]).scores("the of and").tolist() == [0.0]
     with pytest.raises(InvalidParameterError):
         BM25Index(["x"], b=2.0)
+
+
+class _QueryVector:
+    """An embedder whose every query is one fixed vector (the tree's vectors are given)."""
+
+    def __init__(self, vector: list[float]) -> None:
+        self.vector = np.asarray(vector, dtype=np.float32)
+
+    def embed_query(self, text: str) -> np.ndarray:
+        return self.vector
+
+    def embed_documents(self, texts: list[str]) -> np.ndarray:
+        return np.tile(self.vector, (len(texts), 1))
+
+
+def _five_leaves(cosines: dict[str, float]) -> Tree:
+    """One document of five 10-word leaves A..E whose cosines to the query are given."""
+    nodes, rows = [], []
+    for i, name in enumerate("ABCDE"):
+        text = " ".join(f"{name.lower()}{j}" for j in range(10))
+        nodes.append(
+            Node(
+                id=name,
+                text=text,
+                layer=0,
+                token_count=10,
+                doc_id="doc",
+                span=(i * 100, i * 100 + 99),
+            )
+        )
+        c = cosines[name]
+        rows.append([c, math.sqrt(1 - c * c), 0.0, 0.0])
+    return Tree(nodes=tuple(nodes), embeddings=np.asarray(rows, dtype=np.float32))
+
+
+def _passage_leaves(tree: Tree, **params: object) -> list[tuple[str, ...]]:
+    retriever = PassageRetriever(
+        tree,
+        _QueryVector([1.0, 0.0, 0.0, 0.0]),  # type: ignore[arg-type]
+        max_tokens=45,
+        window=2,
+        rank_factor=10.0,  # every leaf is relevant enough to join a passage
+        lexical=False,
+        min_score=0.7,  # only C and D can seed
+        budget_tokenizer=WhitespaceTokenizer(),
+        **params,  # type: ignore[arg-type]
+    )
+    return [hit.leaves or (hit.id,) for hit in retriever.retrieve("q")]
+
+
+def test_a_seed_grows_into_at_most_max_share_of_the_budget_stronger_side_first() -> None:
+    tree = _five_leaves({"A": 0.1, "B": 0.6, "C": 1.0, "D": 0.8, "E": 0.1})
+    # Half of 45 tokens holds the seed C and one neighbour: D, the stronger side.
+    assert _passage_leaves(tree) == [("C", "D")]
+    assert _passage_leaves(tree, max_share=0.5) == [("C", "D")]
+    # The whole budget: both sides grow, the stronger first, until E no longer fits.
+    assert _passage_leaves(tree, max_share=1.0) == [("A", "B", "C", "D")]
+    # The stronger side decides, not the order in the document.
+    swapped = _five_leaves({"A": 0.1, "B": 0.8, "C": 1.0, "D": 0.6, "E": 0.1})
+    assert _passage_leaves(swapped) == [("B", "C")]
+
+
+@pytest.mark.parametrize("share", [0, -0.5, 1.5, math.nan, math.inf, True, "half"])
+def test_max_share_must_be_in_the_unit_interval(tree: Tree, share: object) -> None:
+    with pytest.raises(InvalidParameterError, match="max_share"):
+        retriever(tree, max_share=share).retrieve("bees")
+
+
+def test_the_last_of_k_passages_still_grows() -> None:
+    tree = _five_leaves({"A": 0.1, "B": 0.6, "C": 1.0, "D": 0.8, "E": 0.1})
+    assert _passage_leaves(tree, k=1) == [("C", "D")]
+    assert _passage_leaves(tree, k=1, max_share=1.0) == [("A", "B", "C", "D")]

@@ -174,6 +174,7 @@ def tree_dir(tmp_path, tree: Tree):
     [
         ([], "passage"),
         (["--strategy", "passage", "--window", "1", "--rank-factor", "2"], "passage"),
+        (["--strategy", "passage", "--max-share", "1"], "passage"),
         (["--strategy", "traversal", "--top-k-per-layer", "1"], "traversal"),
         (["--strategy", "traversal", "--threshold", "0.1", "--start-layer", "1"], "traversal"),
         (["--strategy", "value", "--chunk-k", "2"], "value"),
