@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from openai_server import LOCALHOST, FakeOpenAIServer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, *LOCALHOST]
 
 CROPS = ["barley", "saffron", "apricots", "lentils", "olives", "hops", "tea", "cotton"]
 GOODS = [
@@ -169,3 +171,44 @@ def test_eval_cli_end_to_end(tmp_path: Path) -> None:
     assert (
         score["llamaindex-vector", 400]["evidence_recall"] == score["dense", 400]["evidence_recall"]
     )
+
+
+@pytest.mark.slow
+def test_eval_cli_llm_summaries_through_an_openai_compatible_server(tmp_path: Path) -> None:
+    # The harness's LLM path (`--llm openai --llm-summaries`), through the real openai client
+    # and the local test server: what a user runs against a real model (docs/evaluation.md).
+    docs, questions, _ = _dataset(tmp_path)
+    out = tmp_path / "out"
+    with FakeOpenAIServer() as server:
+        args = [
+            "eval",
+            "--docs", str(docs),
+            "--questions", str(questions),
+            "--retrievers", "passage,collapsed,llm,dense",
+            "--budgets", "400",
+            "--llm", "openai", "--llm-model", "fake-chat", "--llm-base-url", server.url,
+            "--llm-summaries",
+            "--chunk-tokens", "40",  # enough leaves for a layer of summaries
+            "--out", str(out),
+        ]  # fmt: skip
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OPENAI_API_KEY": "sk-test-eval"}
+        cmd = [sys.executable, "-m", "raptor_core.cli", *args]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, timeout=300, check=False
+        )
+        chats = server.requests("chat")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    assert "LLMSummarizer" in json.dumps(result["config"]["summarizer"])
+    assert set(result["config"]["retrievers"]) == {"passage", "collapsed", "llm", "dense"}
+    # Every summary node of the cached trees is the server's answer (its "S<hash>" tag).
+    from raptor_core import Tree
+
+    trees = [Tree.load(path.parent) for path in (out / "trees").rglob("tree.json")]
+    assert len(trees) == 2
+    summaries = [node.text for tree in trees for node in tree.nodes if node.layer > 0]
+    assert summaries and all(re.match(r"S[0-9a-f]{8} ", text) for text in summaries)
+    assert len(chats) >= len(summaries)
+    score = {(e["retriever"], e["budget"]): e for e in result["summary"]}
+    for name in ("passage", "collapsed", "llm", "dense"):
+        assert 0.0 <= score[name, 400]["evidence_recall"] <= 1.0
