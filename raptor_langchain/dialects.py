@@ -89,8 +89,9 @@ class StoreDialect(Protocol):
         native_lists: the store keeps list-valued metadata (else lists are JSON strings).
         has_vectors: ``query`` and ``fetch`` return stored vectors (else the store
             re-embeds the texts to score them).
-        can_count: ``count``, ``max_layer`` and ``scan`` work (else the manifest keeps the
-            per-layer sizes).
+        can_count: ``count``, ``max_layer`` and ``scan`` work (else the manifest's per-layer
+            sizes are the only record; where they work, the sizes are checked against
+            ``count`` and ``max_layer`` is the fallback).
         fetch_filters: ``fetch`` applies a native filter (else a search with a native
             filter and an id restriction runs as a filtered search, checked in Python).
 
@@ -396,10 +397,11 @@ class ChromaDialect:
         return frozenset(ids) if len(ids) <= limit else None
 
     def dim(self) -> int | None:
-        """The length of one stored vector."""
-        got = self.collection.get(
-            where={"raptor_layer": {"$gte": 0}}, limit=1, include=["embeddings"]
-        )
+        """The length of one stored vector (any record: a collection has one dimension).
+
+        No ``where``: Chroma would scan the whole collection to evaluate it.
+        """
+        got = self.collection.get(limit=1, include=["embeddings"])
         embeddings = got.get("embeddings")
         if embeddings is None or len(embeddings) == 0:
             return None
