@@ -508,9 +508,6 @@ class LangChainNodeStore:
             InvalidInputError: one finite, non-zero vector per node is needed, of the
                 store's dimension; ids must be unique within one call.
         """
-        self._add(nodes, vectors, fresh=False)
-
-    def _add(self, nodes: Sequence[Node], vectors: NDArray[np.float32], *, fresh: bool) -> None:
         nodes = list(nodes)
         ids = [n.id for n in nodes]
         if len(set(ids)) != len(ids):
@@ -522,20 +519,17 @@ class LangChainNodeStore:
         arr = unit_rows(vectors, len(nodes), self.dim)
         if not nodes:
             return
-        # add_tree writes into an empty store and records the tree's sizes at the end.
-        tracked = (not fresh or not self.dialect.can_count) and self._tracking()
+        # (add_tree: a store that counts has no manifest yet, so no sizes to keep up.)
+        tracked = self._tracking()
         before = self.get(ids) if tracked else []
-        self._upsert(nodes, arr)
-        if tracked:
-            self._resize(added=nodes, removed=before, dim=int(arr.shape[1]))
-
-    def _upsert(self, nodes: Sequence[Node], arr: NDArray[np.float32]) -> None:
         docs = [node_to_document(n, native_lists=self.dialect.native_lists) for n in nodes]
         self.dialect.upsert(docs, arr)
         self._top = self._count = None
         self._layer_cache.clear()
         if self._dim is None:
             self._dim = int(arr.shape[1])
+        if tracked:
+            self._resize(added=nodes, removed=before, dim=int(arr.shape[1]))
 
     def delete(self, ids: Sequence[str]) -> None:
         """Remove the nodes with these ids; unknown ids are ignored."""
@@ -609,11 +603,7 @@ class LangChainNodeStore:
             return
         nodes = list(tree.nodes)
         for start in range(0, len(nodes), batch_size):
-            part, rows = (
-                nodes[start : start + batch_size],
-                tree.embeddings[start : start + batch_size],
-            )
-            self._add(part, rows, fresh=True)
+            self.add(nodes[start : start + batch_size], tree.embeddings[start : start + batch_size])
         # Last, like tree.json in a tree directory: an interrupted write leaves no complete
         # manifest, and from_vectorstore refuses the store instead of serving half a tree.
         sizes = [len(tree.layer(layer)) for layer in range(tree.top_layer + 1)]
