@@ -150,9 +150,14 @@ def _write_chroma(tree: Any, work: Path) -> None:
 
 
 def _ready(store: Any) -> Any:
-    # What a retriever reads before its first search: the manifest, dimension, top layer.
-    _ = store.manifest, store.dim, store.top_layer
-    return store
+    # Opening as a user does: RaptorRetriever.from_vectorstore reads the manifest, the
+    # dimension and the tree's size and checks the embedder; the store it made is searched.
+    # (The top layer is read at the first search that needs it.)
+    from raptor_core.testing import FakeEmbedder
+    from raptor_langchain import RaptorEmbeddings, RaptorRetriever
+
+    embeddings = RaptorEmbeddings(FakeEmbedder(dim=384))  # never called: vectors are given
+    return RaptorRetriever.from_vectorstore(store.vectorstore, embeddings=embeddings).store
 
 
 def _written_chroma(work: Path) -> bool:

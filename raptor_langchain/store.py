@@ -282,6 +282,7 @@ class LangChainNodeStore:
         self.dialect = dialect if dialect is not None else dialect_for(vectorstore)
         self._manifest: dict[str, Any] | None = None
         self._manifest_read = False
+        self._refreshed = False
         self._top: int | None = None
         self._dim: int | None = None
         self._count: int | None = None
@@ -304,13 +305,15 @@ class LangChainNodeStore:
         return self._manifest
 
     def _read_manifest(self) -> dict[str, Any] | None:
-        try:
+        # A copy kept where the store reads it without touching the records (Chroma: the
+        # collection's metadata), on opening only: refresh() reads the document itself.
+        copy = getattr(self.dialect, "manifest_copy", None)
+        raw = copy() if copy is not None and not self._refreshed else None
+        if raw is None:
             rows = self.dialect.fetch([MANIFEST_ID], native=None, vectors=False)
-        except InvalidParameterError:
-            raise
-        if not rows:
-            return None
-        raw = (rows[0].document.metadata or {}).get("raptor_manifest")
+            if not rows:
+                return None
+            raw = (rows[0].document.metadata or {}).get("raptor_manifest")
         try:
             manifest = json.loads(raw) if isinstance(raw, str) else None
         except ValueError:
@@ -328,16 +331,20 @@ class LangChainNodeStore:
         return manifest
 
     def _write_manifest(self, manifest: dict[str, Any]) -> None:
+        raw = json.dumps(manifest, sort_keys=True, default=str)
         doc = Document(
             id=MANIFEST_ID,
             page_content="RAPTOR tree manifest (raptor-retriever): how the tree was built.",
-            metadata={"raptor_manifest": json.dumps(manifest, sort_keys=True, default=str)},
+            metadata={"raptor_manifest": raw},
         )
         dim = int(manifest["dim"])
         # Any unit vector: no search returns the manifest (it has no raptor_layer).
         anchor = np.zeros((1, dim), dtype=np.float32)
         anchor[0, 0] = 1.0
         self.dialect.upsert([doc], anchor)
+        keep = getattr(self.dialect, "keep_manifest_copy", None)
+        if keep is not None:
+            keep(raw)  # after the document: a copy never claims more than the document
         self._manifest, self._manifest_read = manifest, True
         self._count = None
 
@@ -391,7 +398,11 @@ class LangChainNodeStore:
         Duck-types the part of a :class:`Tree` that
         :func:`raptor_core.components.check_embedder` reads.
         """
-        return StoreShape(params=self.params, dim=self.dim or 0, size=len(self))
+        sizes = self._recorded_sizes()
+        # The recorded size where there is one (it only tells an empty tree from another):
+        # counting a Chroma collection loads it whole, which the first search does anyway.
+        size = sum(sizes) if sizes is not None else len(self)
+        return StoreShape(params=self.params, dim=self.dim or 0, size=size)
 
     @property
     def complete(self) -> bool:
@@ -411,6 +422,7 @@ class LangChainNodeStore:
         Call it after others wrote to the store.
         """
         self._manifest, self._manifest_read = None, False
+        self._refreshed = True
         self._top = None
         self._count = None
         self._dim = None

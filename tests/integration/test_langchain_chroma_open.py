@@ -39,7 +39,7 @@ class Recorder:
 
     def __init__(self, collection: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[str, Any]] = []
-        for method in ("get", "query"):
+        for method in ("get", "query", "count"):
             original = getattr(collection, method)
 
             def record(*args: Any, _name: str = method, _f: Any = original, **kwargs: Any) -> Any:
@@ -90,7 +90,11 @@ def test_opening_and_a_collapsed_query_run_no_filtered_scan(
     )
     store = retriever.store
     assert isinstance(store, LangChainNodeStore)
-    assert (store.top_layer, store.dim, len(store)) == (tree.top_layer, DIM, len(tree))
+    assert store.dim == DIM
+    # Opening read the manifest's copy in the collection's metadata: no record was read,
+    # so Chroma has not loaded the collection's segments yet (the first search does).
+    assert recorder.calls == []
+    assert (store.top_layer, len(store)) == (tree.top_layer, len(tree))
     assert store.manifest is not None and store.manifest["layer_sizes"] == _sizes(tree)
     assert retriever.invoke(tree.leaves[0].text)
     assert recorder.calls  # the wrapper sees the store's calls
@@ -171,6 +175,21 @@ def test_stale_sizes_fall_back_to_probing_the_store(
         [MANIFEST_ID], native=None, vectors=False
     )[0]
     assert "layer_sizes" not in json.loads(raw.document.metadata["raptor_manifest"])
+
+
+def test_a_collection_with_legacy_distance_metadata_keeps_the_manifest_document_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # chromadb refuses to modify metadata holding "hnsw:" keys: no copy, the document serves.
+    tree = store_tree(DIM)
+    client = chromadb.PersistentClient(path=str(tmp_path))
+    legacy = Chroma(client=client, collection_name="old", collection_metadata={"hnsw:space": "ip"})
+    LangChainNodeStore(legacy).add_tree(tree)
+    assert "raptor_manifest" not in (legacy._collection.metadata or {})
+    reopened = LangChainNodeStore(Chroma(client=client, collection_name="old"))
+    recorder = Recorder(reopened.dialect.collection, monkeypatch)
+    assert (reopened.complete, reopened.top_layer) == (True, tree.top_layer)
+    assert recorder.calls and recorder.filtered == []
 
 
 def test_a_store_written_before_sizes_were_recorded_still_opens(
