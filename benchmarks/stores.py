@@ -238,10 +238,10 @@ def _open_chroma_li(work: Path, context: dict[str, Any]) -> Any:
     storage = StorageContext.from_defaults(
         persist_dir=str(work / "li-index"), vector_store=_li_vector_store(work)
     )
+    # Opening as a user does (it checks the embedder against the store's dim and size);
+    # the top layer is read at the first search that needs it.
     index = load_index_from_storage(storage, embed_model=FakeEmbedder(dim=384))
-    store = index.store  # type: ignore[attr-defined]
-    _ = store.dim, store.top_layer, len(store)
-    return store
+    return index.store  # type: ignore[attr-defined]
 
 
 def _chroma_li_probes(store: Any) -> dict[str, Callable[[np.ndarray], Any]]:

@@ -477,7 +477,10 @@ class LlamaIndexNodeStore:
 
     def shape(self) -> StoreShape:
         """What checking a caller's embedder reads: the recorded params, dim and size."""
-        return StoreShape(params=self.params, dim=self.dim or 0, size=len(self))
+        # The recorded size where there is one (it only tells an empty tree from another):
+        # counting a Chroma collection loads it whole, which the first search does anyway.
+        size = sum(self._sizes) if self._sizes is not None else len(self)
+        return StoreShape(params=self.params, dim=self.dim or 0, size=size)
 
     # -- writes ----------------------------------------------------------------------------------
     def add(self, nodes: Sequence[Node], vectors: NDArray[np.float32]) -> None:

@@ -50,7 +50,7 @@ class Recorder:
 
     def __init__(self, collection: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[str, Any]] = []
-        for method in ("get", "query"):
+        for method in ("get", "query", "count"):
             original = getattr(collection, method)
 
             def record(*args: Any, _name: str = method, _f: Any = original, **kwargs: Any) -> Any:
@@ -93,6 +93,9 @@ def test_reopening_and_a_collapsed_query_run_no_filtered_scan(
     persisted: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     loaded, recorder = _load(persisted, monkeypatch)
+    # Opening read no record: dim and size come from the collection and the struct, so
+    # Chroma has not loaded the collection's segments yet (the first search does).
+    assert recorder.calls == []
     store = loaded.store
     assert store.layer_sizes is not None and sum(store.layer_sizes) == len(store)
     assert store.top_layer == len(store.layer_sizes) - 1 >= 1
