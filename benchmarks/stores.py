@@ -5,12 +5,14 @@ once with ``Tree.save``; then every store in ``STORES`` is measured in a FRESH P
 process, so its open time is a cold start and its peak RSS (``resource.getrusage``, the
 kernel's high-water mark) is its own:
 
-* **write**: putting the tree into the store (Chroma: ``LangChainNodeStore.add_tree``, in a
-  process of its own; the file store's ``Tree.save`` is timed in the parent);
+* **write**: putting the tree into the store (Chroma: ``LangChainNodeStore.add_tree``, or
+  ``RaptorIndex.from_tree`` for the LlamaIndex store, in a process of its own; the file
+  store's ``Tree.save`` is timed in the parent);
 * **open**: from nothing in memory to a store a retriever can search (imports excluded,
-  timed apart);
+  timed apart); Chroma: ``RaptorRetriever.from_vectorstore``, ``load_index_from_storage``;
 * **first query**: the first collapsed query after opening, where lazy stores pay for what
-  they did not load at open (Chroma reads its HNSW index then);
+  they did not load at open (Chroma loads the collection's segments, its whole HNSW index
+  included, on the first read of any record);
 * **latency**: p50 / p95 of ``--queries`` queries for the collapsed and traversal strategies,
   query vectors precomputed (embedding excluded); the same queries for every store;
 * **RSS**: peak after open and peak after the queries (Chroma server: the server's own peak
