@@ -5,12 +5,14 @@ once with ``Tree.save``; then every store in ``STORES`` is measured in a FRESH P
 process, so its open time is a cold start and its peak RSS (``resource.getrusage``, the
 kernel's high-water mark) is its own:
 
-* **write**: putting the tree into the store (Chroma: ``LangChainNodeStore.add_tree``, in a
-  process of its own; the file store's ``Tree.save`` is timed in the parent);
+* **write**: putting the tree into the store (Chroma: ``LangChainNodeStore.add_tree``, or
+  ``RaptorIndex.from_tree`` for the LlamaIndex store, in a process of its own; the file
+  store's ``Tree.save`` is timed in the parent);
 * **open**: from nothing in memory to a store a retriever can search (imports excluded,
-  timed apart);
+  timed apart); Chroma: ``RaptorRetriever.from_vectorstore``, ``load_index_from_storage``;
 * **first query**: the first collapsed query after opening, where lazy stores pay for what
-  they did not load at open (Chroma reads its HNSW index then);
+  they did not load at open (Chroma loads the collection's segments, its whole HNSW index
+  included, on the first read of any record);
 * **latency**: p50 / p95 of ``--queries`` queries for the collapsed and traversal strategies,
   query vectors precomputed (embedding excluded); the same queries for every store;
 * **RSS**: peak after open and peak after the queries (Chroma server: the server's own peak
@@ -29,7 +31,12 @@ keeps what it measured.
 
 Usage:
     python benchmarks/stores.py [--sizes 10000 100000 1000000] [--stores NAME ...]
-        [--queries 50] [--threads 1] [--out benchmarks/results] [--keep DIR]
+        [--queries 50] [--threads 1] [--out benchmarks/results] [--keep DIR [--reuse]]
+
+``--keep DIR --reuse`` keeps what an earlier run left in ``DIR/<size>`` (the saved tree,
+the query vectors, a store's written data) and measures the opens again without writing
+(writing 1M nodes into Chroma takes over half an hour): two versions of the code can then
+be compared on the same data, run after run.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ class StoreEntry:
     open: Callable[[Path, dict[str, Any]], Any]
     needs: tuple[str, ...] = ()
     write: Callable[[Any, Path], None] | None = None
+    written: Callable[[Path], bool] | None = None
     prepare: Callable[[Path], Any] | None = None
     reads: str | None = None
     server: bool = False
@@ -144,9 +152,18 @@ def _write_chroma(tree: Any, work: Path) -> None:
 
 
 def _ready(store: Any) -> Any:
-    # What a retriever reads before its first search: the manifest, dimension, top layer.
-    _ = store.manifest, store.dim, store.top_layer
-    return store
+    # Opening as a user does: RaptorRetriever.from_vectorstore reads the manifest, the
+    # dimension and the tree's size and checks the embedder; the store it made is searched.
+    # (The top layer is read at the first search that needs it.)
+    from raptor_core.testing import FakeEmbedder
+    from raptor_langchain import RaptorEmbeddings, RaptorRetriever
+
+    embeddings = RaptorEmbeddings(FakeEmbedder(dim=384))  # never called: vectors are given
+    return RaptorRetriever.from_vectorstore(store.vectorstore, embeddings=embeddings).store
+
+
+def _written_chroma(work: Path) -> bool:
+    return (work / "chroma" / "chroma.sqlite3").exists()
 
 
 def _open_chroma_embedded(work: Path, context: dict[str, Any]) -> Any:
@@ -174,13 +191,77 @@ def _chroma_probes(store: Any) -> dict[str, Callable[[np.ndarray], Any]]:
 
         return query
 
+    def probe_layers(q: np.ndarray) -> Any:
+        # What opening cost before the manifest recorded the layer sizes: one filtered
+        # get per layer (each a scan of the collection).
+        return store.dialect.max_layer()
+
     return {
         "collection.query, no filter": raw(None),
         "collection.query, where raptor_layer >= 0": raw({"raptor_layer": {"$gte": 0}}),
+        "top layer by probing (open before the manifest kept layer sizes)": probe_layers,
+    }
+
+
+def _li_vector_store(work: Path) -> Any:
+    import chromadb
+    from llama_index.vector_stores.chroma import ChromaVectorStore
+
+    client = chromadb.PersistentClient(path=str(work / "chroma-li"))
+    collection = client.get_or_create_collection(
+        COLLECTION, configuration={"hnsw": {"space": "cosine"}}
+    )
+    return ChromaVectorStore(chroma_collection=collection)
+
+
+def _write_chroma_li(tree: Any, work: Path) -> None:
+    from llama_index.core import StorageContext
+
+    from raptor_core.testing import FakeEmbedder
+    from raptor_llamaindex import RaptorIndex
+
+    context = StorageContext.from_defaults(vector_store=_li_vector_store(work))
+    # The embedder is never called (the tree has its vectors); it must have their dimension.
+    index = RaptorIndex.from_tree(
+        tree, embed_model=FakeEmbedder(dim=tree.dim), storage_context=context
+    )
+    index.storage_context.persist(persist_dir=str(work / "li-index"))
+
+
+def _written_chroma_li(work: Path) -> bool:
+    return (work / "li-index").exists()
+
+
+def _open_chroma_li(work: Path, context: dict[str, Any]) -> Any:
+    from llama_index.core import StorageContext, load_index_from_storage
+
+    from raptor_core.testing import FakeEmbedder
+
+    storage = StorageContext.from_defaults(
+        persist_dir=str(work / "li-index"), vector_store=_li_vector_store(work)
+    )
+    # Opening as a user does (it checks the embedder against the store's dim and size);
+    # the top layer is read at the first search that needs it.
+    index = load_index_from_storage(storage, embed_model=FakeEmbedder(dim=384))
+    return index.store  # type: ignore[attr-defined]
+
+
+def _chroma_li_probes(store: Any) -> dict[str, Callable[[np.ndarray], Any]]:
+    collection = store.backend.collection
+
+    def raw(q: np.ndarray) -> Any:
+        return collection.query(query_embeddings=[q], n_results=K, include=[])["ids"][0]
+
+    return {
+        "collection.query, no filter": raw,
+        "top layer by probing (open before the index struct kept layer sizes)": lambda q: (
+            store.backend.max_layer()
+        ),
     }
 
 
 CHROMA = ("chromadb", "langchain_chroma", "raptor_langchain")
+CHROMA_LI = ("chromadb", "llama_index.vector_stores.chroma", "raptor_llamaindex")
 STORES: dict[str, StoreEntry] = {
     e.name: e
     for e in [
@@ -219,6 +300,7 @@ STORES: dict[str, StoreEntry] = {
             name="chroma-embedded",
             needs=CHROMA,
             write=_write_chroma,
+            written=_written_chroma,
             open=_open_chroma_embedded,
             probes=_chroma_probes,
             note="langchain_chroma.Chroma on chromadb.PersistentClient, LangChainNodeStore",
@@ -231,6 +313,16 @@ STORES: dict[str, StoreEntry] = {
             open=_open_chroma_server,
             probes=_chroma_probes,
             note="the same data served by `chroma run`, chromadb.HttpClient on 127.0.0.1",
+        ),
+        StoreEntry(
+            name="chroma-llamaindex",
+            needs=CHROMA_LI,
+            write=_write_chroma_li,
+            written=_written_chroma_li,
+            open=_open_chroma_li,
+            probes=_chroma_li_probes,
+            note="llama_index ChromaVectorStore on chromadb.PersistentClient: written by "
+            "RaptorIndex.from_tree, opened with load_index_from_storage (LlamaIndexNodeStore)",
         ),
     ]
 }
@@ -496,7 +588,11 @@ def rows(size: dict[str, Any]) -> list[list[str]]:
         out.append(
             [
                 name,
-                f"{r['write_s']:.1f}" if "write_s" in r else "",
+                f"{r['write_s']:.1f}"
+                if "write_s" in r
+                else "reused"
+                if "write_reused" in r
+                else "",
                 f"{r['open_s']:.3f}",
                 f"{r['first_query_ms']:.1f}" if "first_query_ms" in r else "",
                 _fmt_ms(latency.get("collapsed"), base),
@@ -553,8 +649,12 @@ def markdown(data: dict[str, Any]) -> str:
             "",
             f"## {size['nodes']:,} nodes",
             "",
-            f"Generated in {size['generate_s']:.1f} s; `Tree.save` {size['save_s']:.1f} s; "
-            f"tree.json {size['json_mb']:.0f} MB, matrix {size['matrix_mb']:.0f} MB; "
+            (
+                f"Generated in {size['generate_s']:.1f} s; `Tree.save` {size['save_s']:.1f} s; "
+                if size["generate_s"] == size["generate_s"]  # NaN: --reuse
+                else "Tree and written stores (write s: reused) left by an earlier run (--reuse); "
+            )
+            + f"tree.json {size['json_mb']:.0f} MB, matrix {size['matrix_mb']:.0f} MB; "
             f"load average {size.get('load_at_start', '?')} when this size started; "
             f"code at commit {size.get('code', '?')}.",
             "",
@@ -635,15 +735,21 @@ def _missing(entry: StoreEntry) -> str | None:
 def measure_size(args: argparse.Namespace, n: int, work: Path, results: Results) -> None:
     from _synthetic import synthetic_queries, synthetic_tree
 
-    start = time.perf_counter()
-    tree = synthetic_tree(n, dim=args.dim, seed=0)
-    generated = time.perf_counter() - start
-    np.save(work / "queries.npy", synthetic_queries(tree, args.queries))
-    start = time.perf_counter()
-    tree.save(work / "tree")
-    saved = time.perf_counter() - start
-    nodes = len(tree)
-    del tree
+    from raptor_core import Tree
+
+    if args.reuse and (work / "tree").exists() and (work / "queries.npy").exists():
+        generated = saved = float("nan")  # done by the run that left them
+        nodes = len(Tree.load(work / "tree", mmap=True, verify=False))
+    else:
+        start = time.perf_counter()
+        tree = synthetic_tree(n, dim=args.dim, seed=0)
+        generated = time.perf_counter() - start
+        np.save(work / "queries.npy", synthetic_queries(tree, args.queries))
+        start = time.perf_counter()
+        tree.save(work / "tree")
+        saved = time.perf_counter() - start
+        nodes = len(tree)
+        del tree
     files = {p.name: p.stat().st_size / 1e6 for p in (work / "tree").iterdir() if p.is_file()}
     size: dict[str, Any] = {
         "nodes": nodes,
@@ -673,7 +779,10 @@ def measure_size(args: argparse.Namespace, n: int, work: Path, results: Results)
             size["stores"][name] = {"skipped": missing}
             continue
         result: dict[str, Any] = {}
-        if entry.write is not None:
+        if args.reuse and entry.written is not None and entry.written(work):
+            written[name] = {"reused": True}
+            result = {"write_reused": True}
+        elif entry.write is not None:
             result = _run_child(args, entry, work, {}, "write")
             written[name] = result
             if "error" in result:
@@ -734,6 +843,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results"), help="for stores.json/.md")
     parser.add_argument("--keep", default=None, help="work in this directory and keep it")
     parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="with --keep: measure again what an earlier run left there, without writing",
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="keep the sizes already in --out/stores.json until they are measured again",
@@ -765,12 +879,14 @@ def main() -> None:
         f"# node stores: dim {args.dim}, k={K}, {args.queries} queries; {m['platform']}, "
         f"{m['cpus']} CPUs, load {m['load']}, Python {m['python']}, chromadb {m['chromadb']}"
     )
+    if args.reuse and not args.keep:
+        parser.error("--reuse needs --keep DIR")
     for n in args.sizes:
         base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="raptor-stores-"))
         work = base / str(n)
-        if work.exists():
+        if work.exists() and not args.reuse:
             shutil.rmtree(work)
-        work.mkdir(parents=True)
+        work.mkdir(parents=True, exist_ok=True)
         try:
             measure_size(args, n, work, results)
         finally:

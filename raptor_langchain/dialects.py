@@ -89,8 +89,9 @@ class StoreDialect(Protocol):
         native_lists: the store keeps list-valued metadata (else lists are JSON strings).
         has_vectors: ``query`` and ``fetch`` return stored vectors (else the store
             re-embeds the texts to score them).
-        can_count: ``count``, ``max_layer`` and ``scan`` work (else the manifest keeps the
-            per-layer sizes).
+        can_count: ``count``, ``max_layer`` and ``scan`` work (else the manifest's per-layer
+            sizes are the only record; where they work, the sizes are checked against
+            ``count`` and ``max_layer`` is the fallback).
         fetch_filters: ``fetch`` applies a native filter (else a search with a native
             filter and an id restriction runs as a filtered search, checked in Python).
 
@@ -251,6 +252,7 @@ class InMemoryDialect:
 
 # -- Chroma ------------------------------------------------------------------------------------
 _CHROMA_INCLUDE = ["documents", "metadatas"]
+_MANIFEST_KEY = "raptor_manifest"
 
 
 class ChromaDialect:
@@ -385,6 +387,27 @@ class ChromaDialect:
             top += 1
         return top
 
+    def manifest_copy(self) -> str | None:
+        """The manifest's copy in the collection's own metadata (None: there is none).
+
+        Optional for a dialect.  Chroma loads a collection's segments, its whole HNSW index
+        included (2.5 s and 2 GB at 1M nodes), on the first ``get``, ``count`` or
+        ``query``; the collection's metadata comes with the collection itself, so reading
+        the manifest from it leaves that load to the first search.
+        """
+        raw = (self.collection.metadata or {}).get(_MANIFEST_KEY)
+        return raw if isinstance(raw, str) else None
+
+    def keep_manifest_copy(self, raw: str) -> None:
+        """Write ``raw`` (the manifest's JSON) into the collection's metadata too."""
+        metadata = dict(self.collection.metadata or {})
+        if any(key.startswith("hnsw:") for key in metadata):
+            # chromadb refuses to modify metadata holding the legacy distance keys: the
+            # manifest document alone serves such a collection.
+            return
+        metadata[_MANIFEST_KEY] = raw
+        self.collection.modify(metadata=metadata)
+
     def layer_ids(self, layer: int, limit: int) -> frozenset[str] | None:
         """The ids of one layer if it holds at most ``limit`` nodes (else None).
 
@@ -396,10 +419,11 @@ class ChromaDialect:
         return frozenset(ids) if len(ids) <= limit else None
 
     def dim(self) -> int | None:
-        """The length of one stored vector."""
-        got = self.collection.get(
-            where={"raptor_layer": {"$gte": 0}}, limit=1, include=["embeddings"]
-        )
+        """The length of one stored vector (any record: a collection has one dimension).
+
+        No ``where``: Chroma would scan the whole collection to evaluate it.
+        """
+        got = self.collection.get(limit=1, include=["embeddings"])
         embeddings = got.get("embeddings")
         if embeddings is None or len(embeddings) == 0:
             return None

@@ -28,9 +28,19 @@ lists) plus ``raptor_``-prefixed structural keys:
 would: a format name and version, the vector dimension and the tree's ``params`` (how it
 was built: descriptions only; nothing read back is ever instantiated).  It is written after
 the nodes and marked complete, so an interrupted build is refused on reopening.  It has no
-``raptor_layer``, so no search returns it.  Facts that change with every update (node
-count, top layer) are read from the store itself, except for stores that cannot count
-(the generic dialect), where the manifest keeps the per-layer sizes current.
+``raptor_layer``, so no search returns it.  It also keeps the tree's per-layer sizes
+(``layer_sizes``), current after every ``add``/``delete``, so that opening a store finds
+its top layer without asking the store: Chroma answers any metadata filter by scanning
+the whole collection (seconds at a million nodes).  Where the store can count (Chroma, the
+in-memory store), the sizes are trusted only while they add up to the store's count, else
+the top layer is found by probing the store as before (a store written by an older
+version, or written to by others); where it cannot (the generic dialect), they are the
+only record.  Sizes that are not a list of at most 1,000 non-negative integers are
+damage and raise :class:`~raptor_core.exceptions.TreeFormatError`.  The Chroma dialect
+also copies the manifest into the collection's own metadata, which comes with the
+collection: opening reads that copy, so it reads no record, and Chroma's loading of the
+collection's segments (its whole HNSW index: 2.5 s at a million nodes) waits for the first
+search.
 
 **One tree per store** (per Chroma collection): documents without ``raptor_layer`` are
 never returned, but they count in ``len``.
@@ -84,6 +94,8 @@ _PREFIX = "raptor_"
 # Searches whose filter runs partly in Python ask the store for this many extra documents
 # first, and four times more each time too few pass.
 _SLACK = 8
+# More layers than this in a manifest's layer_sizes is damage (max_layers is bounded alike).
+_MAX_LAYERS = 1000
 # A layer of at most this many nodes has its ids listed once and cached (dialects with
 # ``layer_ids``), so a search restricted to it, such as a traversal's first step, scores
 # those ids exactly instead of running a filtered search, which Chroma answers by scanning
@@ -217,6 +229,10 @@ def document_to_node(document: Document) -> Node:
 
 
 # -- the store ---------------------------------------------------------------------------------
+def _top_of(sizes: Sequence[int]) -> int:
+    return max((layer for layer, n in enumerate(sizes) if n > 0), default=-1)
+
+
 def _core_embedder(embeddings: Embeddings | Embedder | None) -> Embedder | None:
     if embeddings is None:
         return None
@@ -270,8 +286,10 @@ class LangChainNodeStore:
         self.dialect = dialect if dialect is not None else dialect_for(vectorstore)
         self._manifest: dict[str, Any] | None = None
         self._manifest_read = False
+        self._refreshed = False
         self._top: int | None = None
         self._dim: int | None = None
+        self._count: int | None = None
         self._layer_cache: dict[int, frozenset[str] | None] = {}
 
     def __repr__(self) -> str:
@@ -291,13 +309,15 @@ class LangChainNodeStore:
         return self._manifest
 
     def _read_manifest(self) -> dict[str, Any] | None:
-        try:
+        # A copy kept where the store reads it without touching the records (Chroma: the
+        # collection's metadata), on opening only: refresh() reads the document itself.
+        copy = getattr(self.dialect, "manifest_copy", None)
+        raw = copy() if copy is not None and not self._refreshed else None
+        if raw is None:
             rows = self.dialect.fetch([MANIFEST_ID], native=None, vectors=False)
-        except InvalidParameterError:
-            raise
-        if not rows:
-            return None
-        raw = (rows[0].document.metadata or {}).get("raptor_manifest")
+            if not rows:
+                return None
+            raw = (rows[0].document.metadata or {}).get("raptor_manifest")
         try:
             manifest = json.loads(raw) if isinstance(raw, str) else None
         except ValueError:
@@ -315,22 +335,34 @@ class LangChainNodeStore:
         return manifest
 
     def _write_manifest(self, manifest: dict[str, Any]) -> None:
+        raw = json.dumps(manifest, sort_keys=True, default=str)
         doc = Document(
             id=MANIFEST_ID,
             page_content="RAPTOR tree manifest (raptor-retriever): how the tree was built.",
-            metadata={"raptor_manifest": json.dumps(manifest, sort_keys=True, default=str)},
+            metadata={"raptor_manifest": raw},
         )
         dim = int(manifest["dim"])
         # Any unit vector: no search returns the manifest (it has no raptor_layer).
         anchor = np.zeros((1, dim), dtype=np.float32)
         anchor[0, 0] = 1.0
         self.dialect.upsert([doc], anchor)
+        keep = getattr(self.dialect, "keep_manifest_copy", None)
+        if keep is not None:
+            keep(raw)  # after the document: a copy never claims more than the document
         self._manifest, self._manifest_read = manifest, True
+        self._count = None
 
     def write_manifest(
-        self, *, params: Mapping[str, Any] | None = None, dim: int | None = None
+        self,
+        *,
+        params: Mapping[str, Any] | None = None,
+        dim: int | None = None,
+        layer_sizes: Sequence[int] | None = None,
     ) -> None:
-        """Record how the tree was built (``Tree.params``) and its vector dimension.
+        """Record how the tree was built (``Tree.params``), its dimension and layer sizes.
+
+        ``layer_sizes`` (nodes per layer, as ``add_tree`` passes them) lets an open find the
+        top layer without asking the store; None keeps the recorded ones.
 
         Raises:
             InvalidParameterError: the dimension is unknown (nothing stored, none given).
@@ -350,9 +382,19 @@ class LangChainNodeStore:
             manifest["params"] = json.loads(json.dumps(dict(params), default=str))
         manifest.setdefault("params", {})
         manifest["complete"] = True
-        if not self.dialect.can_count:
+        if layer_sizes is not None:
+            sizes = list(layer_sizes)
+            if len(sizes) > _MAX_LAYERS or not all(
+                isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 0
+                for n in sizes
+            ):
+                msg = f"layer_sizes must be at most {_MAX_LAYERS} counts >= 0, got {sizes!r:.80}"
+                raise InvalidParameterError(msg)
+            manifest["layer_sizes"] = [int(n) for n in sizes]
+        elif not self.dialect.can_count:
             manifest.setdefault("layer_sizes", [])
         self._write_manifest(manifest)
+        self._top = None
 
     def shape(self) -> StoreShape:
         """What a load checks a caller's embedder against: the recorded params, dim, size.
@@ -360,7 +402,11 @@ class LangChainNodeStore:
         Duck-types the part of a :class:`Tree` that
         :func:`raptor_core.components.check_embedder` reads.
         """
-        return StoreShape(params=self.params, dim=self.dim or 0, size=len(self))
+        sizes = self._recorded_sizes()
+        # The recorded size where there is one (it only tells an empty tree from another):
+        # counting a Chroma collection loads it whole, which the first search does anyway.
+        size = sum(sizes) if sizes is not None else len(self)
+        return StoreShape(params=self.params, dim=self.dim or 0, size=size)
 
     @property
     def complete(self) -> bool:
@@ -375,27 +421,67 @@ class LangChainNodeStore:
         return dict(params) if isinstance(params, dict) else {}
 
     def refresh(self) -> None:
-        """Forget cached facts (manifest, dimension, top layer, small layers' ids).
+        """Forget cached facts (manifest, dimension, size, top layer, small layers' ids).
 
         Call it after others wrote to the store.
         """
         self._manifest, self._manifest_read = None, False
+        self._refreshed = True
         self._top = None
+        self._count = None
         self._dim = None
         self._layer_cache.clear()
 
     # -- shape -----------------------------------------------------------------------------------
-    def _layer_sizes(self) -> list[int]:
+    def _recorded_sizes(self) -> list[int] | None:
+        """The manifest's per-layer sizes (None: not recorded), checked: store data is untrusted.
+
+        Raises:
+            TreeFormatError: they are not a list of at most 1,000 non-negative integers.
+        """
         sizes = (self.manifest or {}).get("layer_sizes")
-        if not isinstance(sizes, list):
-            return []
-        return [int(x) for x in sizes if isinstance(x, int)]
+        if sizes is None:
+            return None
+        if (
+            not isinstance(sizes, list)
+            or len(sizes) > _MAX_LAYERS
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)
+        ):
+            msg = (
+                f"the {MANIFEST_ID!r} document's layer_sizes is damaged ({str(sizes)[:80]}): "
+                "the store was edited outside raptor-retriever; rebuild the tree into an "
+                "empty store (collection)"
+            )
+            raise TreeFormatError(msg)
+        return list(sizes)
+
+    def _layer_sizes(self) -> list[int]:
+        return self._recorded_sizes() or []
+
+    def _trusted_sizes(self) -> list[int] | None:
+        """The recorded sizes where they describe the store (None: find out from the store).
+
+        A store that cannot count has no other record.  One that can has its count compared:
+        an older version's store records none, and a write by others, or an update cut
+        short between the nodes and the manifest, leaves a sum that differs.
+        """
+        sizes = self._recorded_sizes()
+        if not self.dialect.can_count:
+            return sizes or []
+        if sizes is None or sum(sizes) != len(self):
+            return None
+        return sizes
 
     def __len__(self) -> int:
-        count = self.dialect.count() if self.dialect.can_count else None
-        if count is None:
+        if not self.dialect.can_count:
             return sum(self._layer_sizes())
-        return max(0, count - (1 if self.manifest is not None else 0))
+        if self._count is None:
+            # Cached until our next write (or refresh()): every retrieval asks, and Chroma
+            # counts a collection by reading it (8 ms a call at 100k nodes).
+            self._count = self.dialect.count()
+        if self._count is None:
+            return sum(self._layer_sizes())
+        return max(0, self._count - (1 if self.manifest is not None else 0))
 
     def __iter__(self) -> Iterator[Node]:
         for doc in self.dialect.scan():
@@ -407,17 +493,26 @@ class LangChainNodeStore:
         """Vector dimension (None while nothing is stored)."""
         if self._dim is None:
             recorded = (self.manifest or {}).get("dim")
-            self._dim = recorded if isinstance(recorded, int) else self.dialect.dim()
+            if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0:
+                self._dim = recorded
+            else:  # absent or damaged: the store's vectors tell
+                self._dim = self.dialect.dim()
         return self._dim
 
     @property
     def top_layer(self) -> int:
-        """The highest layer stored (-1 while empty)."""
+        """The highest layer stored (-1 while empty).
+
+        Read from the manifest's layer sizes when they hold (see the module docstring), so
+        opening a large Chroma collection runs no filtered scan; else asked of the store.
+        """
         if self._top is None:
-            top = self.dialect.max_layer()
+            sizes = self._trusted_sizes()
+            top = None if sizes is None else _top_of(sizes)
             if top is None:
-                sizes = self._layer_sizes()
-                top = max((i for i, n in enumerate(sizes) if n > 0), default=-1)
+                top = self.dialect.max_layer()
+            if top is None:
+                top = _top_of(self._layer_sizes())
             self._top = top
         return self._top
 
@@ -440,15 +535,16 @@ class LangChainNodeStore:
         arr = unit_rows(vectors, len(nodes), self.dim)
         if not nodes:
             return
-        counting = self.dialect.can_count
-        before = [] if counting else self.get(ids)
+        # (add_tree: a store that counts has no manifest yet, so no sizes to keep up.)
+        tracked = self._tracking()
+        before = self.get(ids) if tracked else []
         docs = [node_to_document(n, native_lists=self.dialect.native_lists) for n in nodes]
         self.dialect.upsert(docs, arr)
-        self._top = None
+        self._top = self._count = None
         self._layer_cache.clear()
         if self._dim is None:
             self._dim = int(arr.shape[1])
-        if not counting:
+        if tracked:
             self._resize(added=nodes, removed=before, dim=int(arr.shape[1]))
 
     def delete(self, ids: Sequence[str]) -> None:
@@ -456,16 +552,35 @@ class LangChainNodeStore:
         ids = [i for i in dict.fromkeys(ids) if i != MANIFEST_ID]
         if not ids:
             return
-        counting = self.dialect.can_count
-        before = [] if counting else self.get(ids)
+        tracked = self._tracking()
+        before = self.get(ids) if tracked else []
         self.dialect.delete(ids)
-        self._top = None
+        self._top = self._count = None
         self._layer_cache.clear()
-        if not counting and before:
+        if before:
             self._resize(added=[], removed=before, dim=None)
 
+    def _tracking(self) -> bool:
+        """Whether a write must keep the manifest's layer sizes current (checked before it).
+
+        Sizes that no longer describe a store that can count are dropped here, so that
+        later writes cannot bring their sum back to the count by chance.
+        """
+        if not self.dialect.can_count:
+            return True
+        if self._trusted_sizes() is not None:
+            return True
+        manifest = self.manifest
+        if (
+            manifest is not None
+            and "layer_sizes" in manifest
+            and isinstance(manifest.get("dim"), int)
+        ):
+            self._write_manifest({k: v for k, v in manifest.items() if k != "layer_sizes"})
+        return False
+
     def _resize(self, *, added: Sequence[Node], removed: Sequence[Node], dim: int | None) -> None:
-        """Keep the manifest's per-layer sizes current (stores that cannot count)."""
+        """Keep the manifest's per-layer sizes current."""
         sizes = self._layer_sizes()
         for node, step in [(n, -1) for n in removed] + [(n, 1) for n in added]:
             sizes += [0] * (node.layer + 1 - len(sizes))
@@ -507,7 +622,8 @@ class LangChainNodeStore:
             self.add(nodes[start : start + batch_size], tree.embeddings[start : start + batch_size])
         # Last, like tree.json in a tree directory: an interrupted write leaves no complete
         # manifest, and from_vectorstore refuses the store instead of serving half a tree.
-        self.write_manifest(params=tree.params, dim=tree.dim)
+        sizes = [len(tree.layer(layer)) for layer in range(tree.top_layer + 1)]
+        self.write_manifest(params=tree.params, dim=tree.dim, layer_sizes=sizes)
 
     # -- reads -----------------------------------------------------------------------------------
     def _fetch_nodes(

@@ -65,7 +65,7 @@ from raptor_llamaindex.retriever import (
     save_with_params,
     strategy_param_names,
 )
-from raptor_llamaindex.store import LlamaIndexNodeStore
+from raptor_llamaindex.store import MAX_LAYERS, LlamaIndexNodeStore, tree_layer_sizes
 
 __all__ = ["RAPTOR_INDEX_TYPE", "RaptorIndex", "RaptorIndexStruct", "to_core_documents"]
 
@@ -198,6 +198,9 @@ class RaptorIndexStruct(IndexStruct):
     builder: Any = field(default_factory=dict)
     params: Any = field(default_factory=dict)
     documents: Any = None
+    #: nodes per layer, so that opening finds the top layer without a filtered scan of the
+    #: vector store (None: written by an older version, the store is asked)
+    layer_sizes: Any = None
 
     @classmethod
     def get_type(cls) -> IndexStructType:
@@ -224,6 +227,17 @@ def _checked_struct(struct: IndexStruct) -> RaptorIndexStruct:
         raise TreeFormatError(msg)
     if not isinstance(struct.params, dict):
         msg = f"{where}: 'params' is not an object (edited or damaged)"
+        raise TreeFormatError(msg)
+    sizes = struct.layer_sizes
+    if sizes is not None and (
+        not isinstance(sizes, list)
+        or len(sizes) > MAX_LAYERS
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)
+    ):
+        msg = (
+            f"{where}: 'layer_sizes' is not a list of at most {MAX_LAYERS} counts >= 0 "
+            "(edited or damaged); remove it to have the vector store asked instead"
+        )
         raise TreeFormatError(msg)
     struct.retriever = check_retriever_section(where, struct.retriever)
     struct.builder = check_builder_section(where, struct.builder)
@@ -358,6 +372,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             storage_context.vector_store,
             docstore=storage_context.docstore,
             params=index_struct.params,
+            layer_sizes=None if building else index_struct.layer_sizes,
         )
         if building and len(self._store) > 0:
             msg = (
@@ -722,6 +737,8 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         self._documents = docs
         self._store.params = dict(tree.params)
         self._index_struct.params = dict(tree.params)
+        # After the store's writes, which drop the sizes it knew.
+        self._store.layer_sizes = self._index_struct.layer_sizes = tree_layer_sizes(tree)
         self._index_struct.documents = (
             None
             if docs is None

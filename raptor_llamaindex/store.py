@@ -101,6 +101,13 @@ STORE_METADATA_KEYS = (
 # Searches whose filter runs partly in Python ask for this many extra nodes first, and
 # four times more each time too few pass.
 _SLACK = 8
+#: More layers than this in recorded layer sizes is damage (max_layers is bounded alike).
+MAX_LAYERS = 1000
+
+
+def tree_layer_sizes(tree: Tree) -> list[int]:
+    """Nodes per layer of ``tree``, bottom up (what ``layer_sizes`` records)."""
+    return [len(tree.layer(layer)) for layer in range(tree.top_layer + 1)]
 
 
 # -- node <-> TextNode -------------------------------------------------------------------------
@@ -369,6 +376,11 @@ class LlamaIndexNodeStore:
         docstore: where node texts go when the vector store keeps none
             (``SimpleVectorStore``); default: a new ``SimpleDocumentStore``.
         params: how the stored tree was built (``Tree.params``), for checking embedders.
+        layer_sizes: the stored tree's nodes per layer, as :class:`~raptor_llamaindex.RaptorIndex`
+            records them, so that the top layer is known without asking the store (Chroma
+            scans the whole collection for any metadata filter).  Used while they add up to
+            the store's count and the store counts cheaply (``SimpleVectorStore``, Chroma),
+            else the store is asked; a write drops them (the caller records new ones).
 
     Examples:
         >>> from llama_index.core.vector_stores import SimpleVectorStore
@@ -390,6 +402,7 @@ class LlamaIndexNodeStore:
         *,
         docstore: BaseDocumentStore | None = None,
         params: Mapping[str, Any] | None = None,
+        layer_sizes: Sequence[int] | None = None,
     ) -> None:
         self.vector_store = vector_store
         self.backend = backend_for(vector_store, docstore)
@@ -397,13 +410,45 @@ class LlamaIndexNodeStore:
         self.params: dict[str, Any] = dict(params or {})
         self._dim: int | None = None
         self._top: int | None = None
+        self._count: int | None = None
+        self.layer_sizes = layer_sizes
+
+    @property
+    def layer_sizes(self) -> list[int] | None:
+        """The tree's nodes per layer as last recorded (None: unknown, the store is asked)."""
+        return None if self._sizes is None else list(self._sizes)
+
+    @layer_sizes.setter
+    def layer_sizes(self, sizes: Sequence[int] | None) -> None:
+        if sizes is not None:
+            sizes = list(sizes)
+            if len(sizes) > MAX_LAYERS or not all(
+                isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 0
+                for n in sizes
+            ):
+                msg = f"layer_sizes must be at most {MAX_LAYERS} counts >= 0, got {sizes!r:.80}"
+                raise InvalidParameterError(msg)
+            sizes = [int(n) for n in sizes]
+        self._sizes: list[int] | None = sizes
+        self._top = None
 
     def __repr__(self) -> str:
         return f"LlamaIndexNodeStore({type(self.vector_store).__name__})"
 
     # -- shape -----------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return self.backend.count()
+        if self.backend.live_count:
+            return self.backend.count()
+        if self._count is None:
+            # Cached until our next write (or refresh()): every retrieval asks, and Chroma
+            # counts a collection by reading it (8 ms a call at 100k nodes).
+            self._count = self.backend.count()
+        return self._count
+
+    def refresh(self) -> None:
+        """Forget cached facts (dimension, size, top layer); call it after others wrote."""
+        self._dim = self._top = self._count = None
+        self._sizes = None
 
     def __iter__(self) -> Iterator[Node]:
         for node in self.backend.scan():
@@ -421,12 +466,21 @@ class LlamaIndexNodeStore:
     def top_layer(self) -> int:
         """The highest layer stored (-1 while empty)."""
         if self._top is None:
-            self._top = self.backend.max_layer()
+            sizes = self._sizes
+            if sizes is not None and self.backend.cheap_count and sum(sizes) == len(self):
+                self._top = max((i for i, n in enumerate(sizes) if n > 0), default=-1)
+            else:
+                # No sizes, a store that counts only by listing, or sizes that no longer
+                # add up (the index store saved apart from the vector store's writes).
+                self._top = self.backend.max_layer()
         return self._top
 
     def shape(self) -> StoreShape:
         """What checking a caller's embedder reads: the recorded params, dim and size."""
-        return StoreShape(params=self.params, dim=self.dim or 0, size=len(self))
+        # The recorded size where there is one (it only tells an empty tree from another):
+        # counting a Chroma collection loads it whole, which the first search does anyway.
+        size = sum(self._sizes) if self._sizes is not None else len(self)
+        return StoreShape(params=self.params, dim=self.dim or 0, size=size)
 
     # -- writes ----------------------------------------------------------------------------------
     def add(self, nodes: Sequence[Node], vectors: NDArray[np.float32]) -> None:
@@ -446,14 +500,16 @@ class LlamaIndexNodeStore:
             return
         self.backend.delete(ids)
         self.backend.add([node_to_text_node(n, v) for n, v in zip(nodes, arr, strict=True)])
-        self._top = None
+        self.layer_sizes = None  # the writer records the new ones (RaptorIndex does)
+        self._count = None
         if self._dim is None:
             self._dim = int(arr.shape[1])
 
     def delete(self, ids: Sequence[str]) -> None:
         """Remove the nodes with these ids; unknown ids are ignored."""
         self.backend.delete(list(dict.fromkeys(ids)))
-        self._top = None
+        self.layer_sizes = None
+        self._count = None
 
     def add_tree(self, tree: Tree, *, batch_size: int = BATCH) -> None:
         """Write every node of ``tree`` and remember its ``params``."""
@@ -461,6 +517,7 @@ class LlamaIndexNodeStore:
         for start in range(0, len(nodes), batch_size):
             self.add(nodes[start : start + batch_size], tree.embeddings[start : start + batch_size])
         self.params = dict(tree.params)
+        self.layer_sizes = tree_layer_sizes(tree)
 
     # -- reads -----------------------------------------------------------------------------------
     def _rows(self, ids: Sequence[str]) -> list[tuple[Node, BaseNode, NDArray[np.float32] | None]]:

@@ -369,8 +369,12 @@ def test_an_update_is_one_delete_and_one_upsert() -> None:
     store.delete([tree.leaves[1].id])
     store.add([replace(leaf, text="changed")], tree.embeddings[:1])
     assert calls == [("delete", 1)]
-    untouched = set(before) - {leaf.id, tree.leaves[1].id}
-    assert all(vectorstore.store[i] is before[i] for i in untouched)  # nothing rewritten
+    # No other node is rewritten; the manifest is, for its per-layer sizes.
+    untouched = set(before) - {leaf.id, tree.leaves[1].id, MANIFEST_ID}
+    assert all(vectorstore.store[i] is before[i] for i in untouched)
+    assert json.loads(vectorstore.store[MANIFEST_ID]["metadata"]["raptor_manifest"])[
+        "layer_sizes"
+    ] == [len(tree.layer(layer)) - (layer == 0) for layer in range(tree.top_layer + 1)]
 
 
 def test_bad_writes_are_refused() -> None:
