@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -69,9 +68,10 @@ from raptor_core.exceptions import (
     InvalidParameterError,
     TreeFormatError,
 )
+from raptor_core.store.codec import is_node_metadata, node_from_metadata, node_metadata
 from raptor_core.store.filters import check_where, compile_where
 from raptor_core.store.vectors import StoreShape, unit_rows
-from raptor_core.tree import Node, Tree, is_carried
+from raptor_core.tree import Node, Tree
 from raptor_core.types import Embedder, Match, NodeFilter
 from raptor_langchain.dialects import Pushdown, Row, StoreDialect, dialect_for
 from raptor_langchain.models import LangChainEmbedder, RaptorEmbeddings
@@ -90,7 +90,6 @@ logger = logging.getLogger(__name__)
 MANIFEST_ID = "raptor-manifest"
 #: Format name and version written into the manifest.
 STORE_FORMAT = ("raptor-tree-store", 1)
-_PREFIX = "raptor_"
 # Searches whose filter runs partly in Python ask the store for this many extra documents
 # first, and four times more each time too few pass.
 _SLACK = 8
@@ -104,25 +103,6 @@ _SMALL_LAYER = 2000
 
 
 # -- node <-> document -------------------------------------------------------------------------
-def _scalar(value: object) -> bool:
-    if isinstance(value, float):
-        return math.isfinite(value)
-    return isinstance(value, str | int | bool)
-
-
-def _scalar_list(value: object) -> bool:
-    """A non-empty list of scalars of one type: what list-keeping stores accept."""
-    if not isinstance(value, list | tuple) or not value or not all(_scalar(v) for v in value):
-        return False
-    return len({type(v) for v in value}) == 1
-
-
-def _encode_ids(ids: Sequence[str], native_lists: bool) -> Any:
-    # Always written, even empty: a key the store reads is never left to what the store
-    # may hold from elsewhere (see ChromaDialect).
-    return list(ids) if native_lists else json.dumps(list(ids))
-
-
 def node_to_document(node: Node, *, native_lists: bool = True) -> Document:
     """The vector-store document of ``node`` (see the module docstring for the keys).
 
@@ -140,52 +120,14 @@ def node_to_document(node: Node, *, native_lists: bool = True) -> Document:
         >>> document_to_node(doc) == leaf
         True
     """
-    meta: dict[str, Any] = {}
-    for key, value in node.metadata.items():
-        # raptor_ keys are ours; the user's own keep their values in raptor_metadata.
-        if key.startswith(_PREFIX):
-            continue
-        if _scalar(value) or (native_lists and _scalar_list(value)):
-            meta[key] = list(value) if isinstance(value, list | tuple) else value
+    meta = node_metadata(node, native_lists=native_lists)
     meta["raptor_id"] = node.id
-    meta["raptor_layer"] = node.layer
-    meta["raptor_token_count"] = node.token_count
-    meta["raptor_carried"] = is_carried(node)
-    if node.doc_id is not None:
-        meta["raptor_doc_id"] = node.doc_id
-    if node.span is not None:
-        meta["raptor_span_start"], meta["raptor_span_end"] = node.span
-    meta["raptor_children"] = _encode_ids(node.children, native_lists)
-    meta["raptor_parents"] = _encode_ids(node.parents, native_lists)
-    meta["raptor_doc_ids"] = _encode_ids(node.doc_ids, native_lists)
-    meta["raptor_metadata"] = json.dumps(dict(node.metadata), sort_keys=True)
     return Document(id=node.id, page_content=node.text, metadata=meta)
-
-
-def _int(meta: Mapping[str, Any], key: str) -> int:
-    value = meta[key]
-    # Some stores hand numbers back as floats; a non-integral one is damage.
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
-        msg = f"{key} should be an integer, got {value!r}"
-        raise TypeError(msg)
-    return int(value)
-
-
-def _decode_ids(value: Any, key: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = json.loads(value)
-    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
-        msg = f"{key} should be a list of ids, got {value!r}"
-        raise TypeError(msg)
-    return tuple(value)
 
 
 def is_node_document(document: Document) -> bool:
     """Whether ``document`` encodes a tree node (not the manifest or a foreign document)."""
-    meta = document.metadata
-    return bool(meta) and "raptor_layer" in meta and "raptor_metadata" in meta
+    return is_node_metadata(document.metadata)
 
 
 def document_to_node(document: Document) -> Node:
@@ -196,36 +138,9 @@ def document_to_node(document: Document) -> Node:
     """
     meta = document.metadata or {}
     node_id = document.id or meta.get("raptor_id")
-    try:
-        if not is_node_document(document):
-            msg = "it has no raptor_layer/raptor_metadata keys"
-            raise KeyError(msg)
-        metadata = json.loads(meta["raptor_metadata"])
-        if not isinstance(metadata, dict):
-            msg = f"raptor_metadata should hold a JSON object, got {type(metadata).__name__}"
-            raise TypeError(msg)
-        doc_id = meta.get("raptor_doc_id")
-        start, end = meta.get("raptor_span_start"), meta.get("raptor_span_end")
-        return Node(
-            id=str(node_id),
-            text=document.page_content,
-            layer=_int(meta, "raptor_layer"),
-            token_count=_int(meta, "raptor_token_count"),
-            children=_decode_ids(meta.get("raptor_children"), "raptor_children"),
-            doc_id=None if doc_id is None else str(doc_id),
-            span=None
-            if start is None or end is None
-            else (_int(meta, "raptor_span_start"), _int(meta, "raptor_span_end")),
-            doc_ids=_decode_ids(meta.get("raptor_doc_ids"), "raptor_doc_ids"),
-            metadata=metadata,
-            parents=_decode_ids(meta.get("raptor_parents"), "raptor_parents"),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        msg = (
-            f"document {node_id!r} in the vector store is not a RAPTOR node ({exc}): "
-            "the store must hold only what RaptorRetriever wrote into it"
-        )
-        raise TreeFormatError(msg) from exc
+    return node_from_metadata(
+        str(node_id), document.page_content, meta, written_by="RaptorRetriever"
+    )
 
 
 # -- the store ---------------------------------------------------------------------------------

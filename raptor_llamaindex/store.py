@@ -43,7 +43,6 @@ vectors.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -67,7 +66,14 @@ from llama_index.core.vector_stores.types import (
 from llama_index.core.vector_stores.utils import build_metadata_filter_fn
 from numpy.typing import NDArray
 
-from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
+from raptor_core.exceptions import InvalidInputError, InvalidParameterError
+from raptor_core.store.codec import (
+    STRUCTURAL_PREFIX,
+    is_node_metadata,
+    node_from_metadata,
+    node_metadata,
+    scalar_value,
+)
 from raptor_core.store.filters import check_where, compile_where
 from raptor_core.store.vectors import StoreShape, unit_rows
 from raptor_core.tree import Node, Tree, is_carried
@@ -82,7 +88,6 @@ __all__ = [
     "text_node_to_node",
 ]
 
-_PREFIX = "raptor_"
 #: Metadata keys LlamaIndex writes itself next to a node's metadata (node_to_metadata_dict).
 _RESERVED = frozenset({"doc_id", "document_id", "ref_doc_id", "_node_content", "_node_type"})
 #: The structural keys every stored node carries (see the module docstring).
@@ -111,12 +116,6 @@ def tree_layer_sizes(tree: Tree) -> list[int]:
 
 
 # -- node <-> TextNode -------------------------------------------------------------------------
-def _scalar(value: object) -> bool:
-    if isinstance(value, float):
-        return math.isfinite(value)
-    return isinstance(value, str | int | bool)
-
-
 def node_to_text_node(node: Node, vector: NDArray[np.float32] | None = None) -> TextNode:
     """The LlamaIndex ``TextNode`` of ``node`` (see the module docstring for what it carries).
 
@@ -129,23 +128,8 @@ def node_to_text_node(node: Node, vector: NDArray[np.float32] | None = None) -> 
         >>> text_node_to_node(text_node) == leaf
         True
     """
-    meta: dict[str, Any] = {
-        key: value
-        for key, value in node.metadata.items()
-        if not key.startswith(_PREFIX) and key not in _RESERVED and _scalar(value)
-    }
-    meta["raptor_layer"] = node.layer
-    meta["raptor_token_count"] = node.token_count
-    # An int, not a bool: LlamaIndex's MetadataFilter takes no booleans.
-    meta["raptor_carried"] = int(is_carried(node))
-    if node.doc_id is not None:
-        meta["raptor_doc_id"] = node.doc_id
-    if node.span is not None:
-        meta["raptor_span_start"], meta["raptor_span_end"] = node.span
-    meta["raptor_children"] = json.dumps(list(node.children))
-    meta["raptor_parents"] = json.dumps(list(node.parents))
-    meta["raptor_doc_ids"] = json.dumps(list(node.doc_ids))
-    meta["raptor_metadata"] = json.dumps(dict(node.metadata), sort_keys=True)
+    # An int carried flag: LlamaIndex's MetadataFilter takes no booleans.
+    meta = node_metadata(node, carried_as_int=True, reserved=_RESERVED)
     relationships: dict[NodeRelationship, Any] = {}
     if node.doc_id is not None:
         relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id=node.doc_id)
@@ -167,30 +151,9 @@ def node_to_text_node(node: Node, vector: NDArray[np.float32] | None = None) -> 
     )
 
 
-def _int(meta: Mapping[str, Any], key: str) -> int:
-    value = meta[key]
-    # Some stores hand numbers back as floats; a non-integral one is damage.
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
-        msg = f"{key} should be an integer, got {value!r}"
-        raise TypeError(msg)
-    return int(value)
-
-
-def _ids(meta: Mapping[str, Any], key: str) -> tuple[str, ...]:
-    raw = meta.get(key)
-    value = json.loads(raw) if isinstance(raw, str) else raw
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        msg = f"{key} should be a JSON list of ids, got {raw!r:.80}"
-        raise TypeError(msg)
-    return tuple(value)
-
-
 def is_raptor_node(node: BaseNode) -> bool:
     """Whether a LlamaIndex node encodes a tree node (not a foreign one)."""
-    meta = node.metadata
-    return bool(meta) and "raptor_layer" in meta and "raptor_metadata" in meta
+    return is_node_metadata(node.metadata)
 
 
 def text_node_to_node(text_node: BaseNode) -> Node:
@@ -199,39 +162,12 @@ def text_node_to_node(text_node: BaseNode) -> Node:
     Raises:
         TreeFormatError: the node is not a RAPTOR node, or its ``raptor_`` keys are damaged.
     """
-    meta = text_node.metadata or {}
-    try:
-        if not is_raptor_node(text_node):
-            msg = "it has no raptor_layer/raptor_metadata keys"
-            raise KeyError(msg)
-        metadata = json.loads(meta["raptor_metadata"])
-        if not isinstance(metadata, dict):
-            msg = f"raptor_metadata should hold a JSON object, got {type(metadata).__name__}"
-            raise TypeError(msg)
-        doc_id = meta.get("raptor_doc_id")
-        # Chroma's integration writes None as "": no document either way.
-        doc_id = None if doc_id in (None, "") else str(doc_id)
-        has_span = meta.get("raptor_span_start") not in (None, "")
-        return Node(
-            id=text_node.node_id,
-            text=text_node.get_content(metadata_mode=MetadataMode.NONE),
-            layer=_int(meta, "raptor_layer"),
-            token_count=_int(meta, "raptor_token_count"),
-            children=_ids(meta, "raptor_children"),
-            doc_id=doc_id,
-            span=(_int(meta, "raptor_span_start"), _int(meta, "raptor_span_end"))
-            if has_span
-            else None,
-            doc_ids=_ids(meta, "raptor_doc_ids"),
-            metadata=metadata,
-            parents=_ids(meta, "raptor_parents"),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        msg = (
-            f"node {text_node.node_id!r} in the vector store is not a RAPTOR node ({exc}): "
-            "the store must hold only what RaptorIndex wrote into it"
-        )
-        raise TreeFormatError(msg) from exc
+    return node_from_metadata(
+        text_node.node_id,
+        text_node.get_content(metadata_mode=MetadataMode.NONE),
+        text_node.metadata,
+        written_by="RaptorIndex",
+    )
 
 
 # -- filters -----------------------------------------------------------------------------------
@@ -303,11 +239,11 @@ def _li_condition(field: str, op: str, value: Any) -> MetadataFilter | None:
         ok = (
             bool(value)
             and len(kinds) == 1
-            and all(_scalar(v) and not isinstance(v, bool) for v in value)
+            and all(scalar_value(v) and not isinstance(v, bool) for v in value)
         )
         value = list(value)
     elif op in ("$eq", "$ne"):
-        ok = _scalar(value) and not isinstance(value, bool)  # MetadataFilter takes no bools
+        ok = scalar_value(value) and not isinstance(value, bool)  # MetadataFilter takes no bools
     else:
         # Vector stores order numbers; the core also orders strings.
         ok = isinstance(value, int | float) and not isinstance(value, bool)
@@ -348,7 +284,7 @@ def _li_filters(
             else:
                 exact = False  # an unconstrained branch: the $or passes anything
             continue
-        if key.startswith(_PREFIX) or key in _RESERVED - {"doc_id"}:
+        if key.startswith(STRUCTURAL_PREFIX) or key in _RESERVED - {"doc_id"}:
             exact = False  # stored in raptor_metadata only
             continue
         field = "raptor_doc_id" if key == "doc_id" else key

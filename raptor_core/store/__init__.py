@@ -7,6 +7,7 @@ or (through the adapters) on a user's own vector database.
 
 from __future__ import annotations
 
+from raptor_core.store.codec import is_node_metadata, node_from_metadata, node_metadata
 from raptor_core.store.files import FileNodeStore, TreeIndexWarning
 from raptor_core.store.filters import check_where, compile_where
 from raptor_core.store.memory import InMemoryNodeStore
@@ -23,5 +24,8 @@ __all__ = [
     "TreeIndexWarning",
     "check_where",
     "compile_where",
+    "is_node_metadata",
+    "node_from_metadata",
+    "node_metadata",
     "unit_rows",
 ]

@@ -1,0 +1,202 @@
+"""Tree nodes as flat vector-store metadata, and back: one codec for every adapter.
+
+A vector store keeps a text, a vector and a flat mapping of scalar metadata per record.  A
+tree node needs more (its layer, children, parents, documents, span and the user's own
+metadata), so both framework adapters write the same ``raptor_``-prefixed keys next to the
+user's scalar metadata, and read nodes back through :func:`node_from_metadata`:
+
+=====================  =========================================================================
+``raptor_layer``       0 for a chunk, 1+ for summaries (int)
+``raptor_token_count`` tokens in the text (int)
+``raptor_carried``     whether the node is a carried copy of its only child (bool, or 0/1
+                       where the store's filters take no booleans)
+``raptor_doc_id``      the node's document (absent for summaries over several documents)
+``raptor_span_start``  a chunk's character offsets in its document (absent for summaries)
+``raptor_span_end``
+``raptor_children``    ids of the nodes a summary condenses (a list where the store keeps
+                       lists, else a JSON string)
+``raptor_parents``     ids of the summaries that include the node
+``raptor_doc_ids``     the documents the node covers
+``raptor_metadata``    the node's full user metadata as JSON (values a store cannot keep,
+                       such as ``None``, lists or nested mappings, survive here)
+=====================  =========================================================================
+
+Everything read back is data: a damaged record raises
+:class:`~raptor_core.exceptions.TreeFormatError`, never a half-built node.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from raptor_core.exceptions import TreeFormatError
+from raptor_core.tree import Node, is_carried
+
+__all__ = [
+    "STRUCTURAL_PREFIX",
+    "is_node_metadata",
+    "node_from_metadata",
+    "node_metadata",
+    "scalar_value",
+]
+
+#: Metadata keys with this prefix are the codec's; a user's own keys with it are not copied
+#: out of ``raptor_metadata`` (they would be mistaken for structure).
+STRUCTURAL_PREFIX = "raptor_"
+
+
+def scalar_value(value: object) -> bool:
+    """Whether every vector store keeps ``value`` as metadata: a string, int, bool or finite float.
+
+    Examples:
+        >>> scalar_value("a"), scalar_value(3), scalar_value(float("nan")), scalar_value(None)
+        (True, True, False, False)
+    """
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, str | int | bool)
+
+
+def _scalar_list(value: object) -> bool:
+    """A non-empty list of scalars of one type: what list-keeping stores accept."""
+    if not isinstance(value, list | tuple) or not value or not all(scalar_value(v) for v in value):
+        return False
+    return len({type(v) for v in value}) == 1
+
+
+def _encode_ids(ids: Sequence[str], native_lists: bool) -> Any:
+    # Always written, even empty: a key the store reads is never left to what the store may
+    # hold from elsewhere.
+    return list(ids) if native_lists else json.dumps(list(ids))
+
+
+def node_metadata(
+    node: Node,
+    *,
+    native_lists: bool = False,
+    carried_as_int: bool = False,
+    reserved: Collection[str] = (),
+) -> dict[str, Any]:
+    """The flat metadata that stores ``node``: the user's scalar keys and the ``raptor_`` ones.
+
+    Args:
+        node: the node.
+        native_lists: the store keeps list-valued metadata; id lists are then lists, and the
+            user's lists of one scalar type are copied too.  Else id lists are JSON strings
+            and user lists live in ``raptor_metadata`` only.
+        carried_as_int: write ``raptor_carried`` as 0/1 (LlamaIndex's ``MetadataFilter``
+            takes no booleans).
+        reserved: user keys the framework keeps for itself; they stay in ``raptor_metadata``.
+
+    Examples:
+        >>> leaf = Node(id="a", text="Bees dance.", layer=0, token_count=3, doc_id="d",
+        ...             span=(0, 11), doc_ids=("d",), metadata={"source": "bees.md"})
+        >>> meta = node_metadata(leaf)
+        >>> meta["source"], meta["raptor_layer"], meta["raptor_doc_ids"]
+        ('bees.md', 0, '["d"]')
+        >>> node_from_metadata("a", "Bees dance.", meta) == leaf
+        True
+    """
+    meta: dict[str, Any] = {}
+    for key, value in node.metadata.items():
+        if key.startswith(STRUCTURAL_PREFIX) or key in reserved:
+            continue
+        if scalar_value(value) or (native_lists and _scalar_list(value)):
+            meta[key] = list(value) if isinstance(value, list | tuple) else value
+    meta["raptor_layer"] = node.layer
+    meta["raptor_token_count"] = node.token_count
+    carried = is_carried(node)
+    meta["raptor_carried"] = int(carried) if carried_as_int else carried
+    if node.doc_id is not None:
+        meta["raptor_doc_id"] = node.doc_id
+    if node.span is not None:
+        meta["raptor_span_start"], meta["raptor_span_end"] = node.span
+    meta["raptor_children"] = _encode_ids(node.children, native_lists)
+    meta["raptor_parents"] = _encode_ids(node.parents, native_lists)
+    meta["raptor_doc_ids"] = _encode_ids(node.doc_ids, native_lists)
+    meta["raptor_metadata"] = json.dumps(dict(node.metadata), sort_keys=True)
+    return meta
+
+
+def is_node_metadata(meta: Mapping[str, Any] | None) -> bool:
+    """Whether a record's metadata encodes a tree node (not a manifest or a foreign record)."""
+    return bool(meta) and "raptor_layer" in meta and "raptor_metadata" in meta  # type: ignore[operator]
+
+
+def _int(meta: Mapping[str, Any], key: str) -> int:
+    value = meta[key]
+    # Some stores hand numbers back as floats; a non-integral one is damage.
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (isinstance(value, float) and not value.is_integer())  # also NaN and infinities
+    ):
+        msg = f"{key} should be an integer, got {value!r}"
+        raise TypeError(msg)
+    return int(value)
+
+
+def _ids(meta: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    raw = meta.get(key)
+    value = json.loads(raw) if isinstance(raw, str) else raw
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        msg = f"{key} should be a list of ids, got {raw!r:.80}"
+        raise TypeError(msg)
+    return tuple(value)
+
+
+def _absent(value: object) -> bool:
+    # Some integrations (LlamaIndex's Chroma store) write a missing value as "".
+    return value is None or value == ""
+
+
+def node_from_metadata(
+    node_id: str, text: str, meta: Mapping[str, Any] | None, *, written_by: str = "raptor"
+) -> Node:
+    """The node a record encodes (inverse of :func:`node_metadata`).
+
+    Args:
+        node_id: the record's id.
+        text: the record's text.
+        meta: the record's metadata.
+        written_by: who writes such records, for the error message (``"RaptorIndex"``).
+
+    Raises:
+        TreeFormatError: the record is not a node, or its ``raptor_`` keys are damaged.
+    """
+    meta = meta or {}
+    try:
+        if not is_node_metadata(meta):
+            msg = "it has no raptor_layer/raptor_metadata keys"
+            raise KeyError(msg)
+        metadata = json.loads(meta["raptor_metadata"])
+        if not isinstance(metadata, dict):
+            msg = f"raptor_metadata should hold a JSON object, got {type(metadata).__name__}"
+            raise TypeError(msg)
+        doc_id = meta.get("raptor_doc_id")
+        start, end = meta.get("raptor_span_start"), meta.get("raptor_span_end")
+        return Node(
+            id=str(node_id),
+            text=text,
+            layer=_int(meta, "raptor_layer"),
+            token_count=_int(meta, "raptor_token_count"),
+            children=_ids(meta, "raptor_children"),
+            doc_id=None if _absent(doc_id) else str(doc_id),
+            span=None
+            if _absent(start) or _absent(end)
+            else (_int(meta, "raptor_span_start"), _int(meta, "raptor_span_end")),
+            doc_ids=_ids(meta, "raptor_doc_ids"),
+            metadata=metadata,
+            parents=_ids(meta, "raptor_parents"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        msg = (
+            f"record {node_id!r} in the vector store is not a RAPTOR node ({exc}): "
+            f"the store must hold only what {written_by} wrote into it"
+        )
+        raise TreeFormatError(msg) from exc
