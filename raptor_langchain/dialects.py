@@ -252,6 +252,8 @@ class InMemoryDialect:
 
 # -- Chroma ------------------------------------------------------------------------------------
 _CHROMA_INCLUDE = ["documents", "metadatas"]
+#: ``ChromaDialect.query`` answers this many results or more by an exact scan (see there).
+EXACT_QUERY_FROM = 10_000
 _MANIFEST_KEY = "raptor_manifest"
 
 
@@ -347,7 +349,16 @@ class ChromaDialect:
         return rows
 
     def query(self, vector: NDArray[np.float32], m: int, *, native: Any) -> list[Row]:
-        """``collection.query`` with the stored vectors included."""
+        """``collection.query`` with the stored vectors included (an exact scan for large ``m``).
+
+        chromadb binds one SQL variable per result it returns, and SQLite allows 32,766: a
+        deeper query fails with "too many SQL variables".  A strategy asks that deep only
+        when scores are too close to stop earlier (the passage strategy on a vague query),
+        and past :data:`EXACT_QUERY_FROM` results an HNSW search is no cheaper than
+        reading the matching records, so those are read a page at a time and ranked here.
+        """
+        if m >= EXACT_QUERY_FROM:
+            return self._exact_query(vector, m, native)
         got = self.collection.query(
             query_embeddings=[np.asarray(vector, dtype=np.float32)],
             n_results=int(m),
@@ -357,6 +368,30 @@ class ChromaDialect:
         return self._rows(
             got["ids"][0], got["documents"][0], got["metadatas"][0], got["embeddings"][0]
         )
+
+    def _exact_query(self, vector: NDArray[np.float32], m: int, native: Any) -> list[Row]:
+        """The ``m`` records passing ``native`` nearest to ``vector``, by exact cosine."""
+        include = [*_CHROMA_INCLUDE, "embeddings"]
+        step = self._batch()
+        rows: list[Row] = []
+        offset = 0
+        while True:
+            got = self.collection.get(where=native, limit=step, offset=offset, include=include)
+            rows += self._rows(got["ids"], got["documents"], got["metadatas"], got["embeddings"])
+            if len(got["ids"]) < step:
+                break
+            offset += step
+        if not rows:
+            return []
+        q = np.asarray(vector, dtype=np.float32).reshape(-1)
+        matrix = np.stack([np.asarray(r.vector, dtype=np.float32) for r in rows])
+        norms = np.linalg.norm(matrix, axis=1)
+        scores = np.einsum("ij,j->i", matrix, q) / np.where(norms > 0, norms, 1.0)
+        # Best first; ties in id order, as a stable answer for the same records.
+        order = sorted(
+            range(len(rows)), key=lambda i: (-float(scores[i]), str(rows[i].document.id))
+        )
+        return [rows[i] for i in order[:m]]
 
     def delete(self, ids: Sequence[str]) -> None:
         """``collection.delete`` (unknown ids are ignored by Chroma)."""

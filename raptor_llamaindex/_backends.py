@@ -28,6 +28,7 @@ from llama_index.core.storage.docstore.types import BaseDocumentStore
 from llama_index.core.vector_stores.simple import SimpleVectorStore
 from llama_index.core.vector_stores.types import (
     BasePydanticVectorStore,
+    FilterCondition,
     MetadataFilters,
     VectorStoreQuery,
 )
@@ -36,10 +37,38 @@ from numpy.typing import NDArray
 
 from raptor_core.exceptions import InvalidParameterError
 
-__all__ = ["BATCH", "ChromaBackend", "GenericBackend", "Row", "SimpleBackend", "backend_for"]
+__all__ = [
+    "BATCH",
+    "EXACT_QUERY_FROM",
+    "ChromaBackend",
+    "GenericBackend",
+    "Row",
+    "SimpleBackend",
+    "backend_for",
+    "filters_pass",
+]
 
 #: Nodes per request when reading or writing in pages.
 BATCH = 1000
+#: ``ChromaBackend.query`` answers this many results or more by an exact scan (see there).
+EXACT_QUERY_FROM = 10_000
+
+
+def filters_pass(filters: MetadataFilters, meta: Mapping[str, Any]) -> bool:
+    """Evaluate LlamaIndex filters (nested ones too) on one node's stored metadata."""
+    results = []
+    for item in filters.filters:
+        if isinstance(item, MetadataFilters):
+            results.append(filters_pass(item, meta))
+        else:
+            check = build_metadata_filter_fn(lambda _: meta, MetadataFilters(filters=[item]))
+            results.append(bool(check("")))
+    condition = filters.condition or FilterCondition.AND
+    if condition == FilterCondition.AND:
+        return all(results)
+    if condition == FilterCondition.OR:
+        return any(results)
+    return not any(results)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +314,51 @@ class ChromaBackend(GenericBackend):
             rows.append(Row(node, vector))
         return rows
 
+    def query(
+        self, q: NDArray[np.float32], m: int, filters: MetadataFilters | None, ids: Any = None
+    ) -> list[tuple[str, float]]:
+        """The store's own search, or an exact scan for ``m >= EXACT_QUERY_FROM``.
+
+        chromadb binds one SQL variable per result it returns, and SQLite allows 32,766: a
+        deeper query fails with "too many SQL variables".  A strategy asks that deep only
+        when scores are too close to stop earlier (the passage strategy on a vague query),
+        and that deep an HNSW search is no cheaper than reading the records, so they are
+        read a page at a time, filtered and ranked here by exact cosine.
+        """
+        if m < EXACT_QUERY_FROM:
+            return super().query(q, m, filters, ids)
+        include = ["metadatas", "embeddings"]
+        pages: Iterator[Mapping[str, Any]]
+        if ids is not None:
+            wanted = list(ids)
+            pages = (
+                self.collection.get(ids=wanted[start : start + BATCH], include=include)
+                for start in range(0, len(wanted), BATCH)
+            )
+        else:
+            pages = self._pages(include)
+        q = np.asarray(q, dtype=np.float32).reshape(-1)
+        scored: list[tuple[str, float]] = []
+        for got in pages:
+            for i, node_id in enumerate(got["ids"]):
+                meta = got["metadatas"][i] or {}
+                vector = _vector(got["embeddings"][i])
+                if vector is None or (filters is not None and not filters_pass(filters, meta)):
+                    continue
+                norm = float(np.linalg.norm(vector))
+                scored.append((str(node_id), float(vector @ q) / norm if norm > 0 else 0.0))
+        scored.sort(key=lambda pair: (-pair[1], pair[0]))
+        return scored[:m]
+
+    def _pages(self, include: list[str]) -> Iterator[Mapping[str, Any]]:
+        offset = 0
+        while True:
+            got = self.collection.get(limit=BATCH, offset=offset, include=include)
+            yield got
+            if len(got["ids"]) < BATCH:
+                return
+            offset += BATCH
+
     def fetch(self, ids: Sequence[str]) -> list[Row]:
         rows: list[Row] = []
         for start in range(0, len(ids), BATCH):
@@ -296,16 +370,9 @@ class ChromaBackend(GenericBackend):
         return rows
 
     def scan(self) -> Iterator[BaseNode]:
-        offset = 0
-        while True:
-            got = self.collection.get(
-                limit=BATCH, offset=offset, include=["metadatas", "documents"]
-            )
+        for got in self._pages(["metadatas", "documents"]):
             for row in self._rows(got, vectors=False):
                 yield row.node
-            if len(got["ids"]) < BATCH:
-                return
-            offset += BATCH
 
     def count(self) -> int:
         return int(self.collection.count())

@@ -63,7 +63,6 @@ from llama_index.core.vector_stores.types import (
     MetadataFilter,
     MetadataFilters,
 )
-from llama_index.core.vector_stores.utils import build_metadata_filter_fn
 from numpy.typing import NDArray
 
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError
@@ -78,7 +77,7 @@ from raptor_core.store.filters import check_where, compile_where
 from raptor_core.store.vectors import StoreShape, unit_rows
 from raptor_core.tree import Node, Tree, is_carried
 from raptor_core.types import Match, NodeFilter
-from raptor_llamaindex._backends import BATCH, backend_for
+from raptor_llamaindex._backends import BATCH, backend_for, filters_pass
 
 __all__ = [
     "STORE_METADATA_KEYS",
@@ -565,7 +564,7 @@ class LlamaIndexNodeStore:
                 return False
             if passes is not None and not passes(node):
                 return False
-            return native is None or _native_passes(native, _stored_metadata(stored))
+            return native is None or filters_pass(native, _stored_metadata(stored))
 
         return accepts
 
@@ -658,20 +657,3 @@ def _stored_metadata(stored: BaseNode) -> dict[str, Any]:
     """The metadata a vector store filters on: the node's, plus LlamaIndex's document keys."""
     ref = stored.ref_doc_id or "None"
     return {**stored.metadata, "doc_id": ref, "document_id": ref, "ref_doc_id": ref}
-
-
-def _native_passes(filters: MetadataFilters, meta: Mapping[str, Any]) -> bool:
-    """Evaluate LlamaIndex filters (nested ones too) on one node's stored metadata."""
-    results = []
-    for item in filters.filters:
-        if isinstance(item, MetadataFilters):
-            results.append(_native_passes(item, meta))
-        else:
-            check = build_metadata_filter_fn(lambda _: meta, MetadataFilters(filters=[item]))
-            results.append(bool(check("")))
-    condition = filters.condition or FilterCondition.AND
-    if condition == FilterCondition.AND:
-        return all(results)
-    if condition == FilterCondition.OR:
-        return any(results)
-    return not any(results)

@@ -200,6 +200,44 @@ def test_same_answers_everywhere(
                 )
 
 
+def test_deep_searches_are_answered_by_an_exact_scan(
+    essay_tree: Tree, chroma_essays: Chroma, st_embedder: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # chromadb returns at most 32,765 results (one SQL variable each): past EXACT_QUERY_FROM
+    # the dialect reads the matching records a page at a time and ranks them itself.
+    from raptor_langchain import dialects
+
+    store = LangChainNodeStore(chroma_essays, dialect=ChromaDialect(chroma_essays, batch_size=7))
+    question = QUESTIONS[3]
+    vector = st_embedder.embed_query(question)
+    leaves = essay_tree.layer(0)
+    native = {"raptor_layer": {"$in": [0]}}
+    by_hnsw = store.dialect.query(vector, len(leaves), native=native)
+    monkeypatch.setattr(dialects, "EXACT_QUERY_FROM", 1)
+    exact = store.dialect.query(vector, len(leaves), native=native)
+    # Every leaf, in exact cosine order (pages of 7 records: several pages).
+    cosines = {n.id: float(essay_tree.embeddings[essay_tree.row(n.id)] @ vector) for n in leaves}
+    assert [r.document.id for r in exact] == sorted(cosines, key=lambda i: -cosines[i])
+    assert {r.document.id for r in exact} == {r.document.id for r in by_hnsw}
+    assert [r.document.id for r in store.dialect.query(vector, 5, native=native)] == [
+        r.document.id for r in exact[:5]
+    ]
+    # The strategies that search deepest give the in-memory answers on the exact path.
+    for strategy, params in [
+        ("passage", {"k": 10**6, "max_tokens": 400}),
+        ("passage", {"k": 10**6, "max_tokens": 2000}),
+        ("collapsed", {"k": 8, "max_tokens": 1500}),
+    ]:
+        expected, got = (
+            make_retriever(strategy, source, st_embedder, **params).retrieve(
+                question, embedding=vector
+            )
+            for source in (essay_tree, store)
+        )
+        assert expected and [h.id for h in got] == [h.id for h in expected], (strategy, params)
+        np.testing.assert_allclose([h.score for h in got], [h.score for h in expected], atol=1e-5)
+
+
 # -- RaptorRetriever over Chroma -----------------------------------------------------------------
 def test_build_into_chroma_and_reopen_from_another_client(
     chroma_server: Any, essay_docs: list[Document], st_embedder: Any

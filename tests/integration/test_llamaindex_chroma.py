@@ -190,6 +190,47 @@ def test_same_answers_everywhere(
                 )
 
 
+def test_deep_searches_are_answered_by_an_exact_scan(
+    essay_tree: Tree, st_embedder: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # chromadb returns at most 32,765 results (one SQL variable each): past EXACT_QUERY_FROM
+    # the backend reads the records a page at a time, filters and ranks them itself.  With
+    # the threshold at 1 every search takes that path, filters and id restrictions included.
+    import chromadb
+
+    from raptor_llamaindex import _backends
+
+    store = LlamaIndexNodeStore(
+        chroma_store(chromadb.PersistentClient(path=str(tmp_path / "db")), "essays", "cosine")
+    )
+    store.add_tree(essay_tree)
+    calls: list[int] = []
+    real_pages = _backends.ChromaBackend._pages
+
+    def pages(self: Any, include: list[str]) -> Any:
+        calls.append(1)
+        return real_pages(self, include)
+
+    monkeypatch.setattr(_backends.ChromaBackend, "_pages", pages)
+    monkeypatch.setattr(_backends, "BATCH", 7)  # several pages
+    monkeypatch.setattr(_backends, "EXACT_QUERY_FROM", 1)
+    for question in QUESTIONS[:2]:
+        vector = st_embedder.embed_query(question)
+        for strategy, params in strategy_configs():
+            expected, got = (
+                make_retriever(strategy, source, st_embedder, **params).retrieve(
+                    question, embedding=vector
+                )
+                for source in (essay_tree, store)
+            )
+            where = (strategy, params, question)
+            assert expected and [h.id for h in got] == [h.id for h in expected], where
+            np.testing.assert_allclose(
+                [h.score for h in got], [h.score for h in expected], atol=1e-5, err_msg=str(where)
+            )
+    assert calls  # the exact path ran
+
+
 # -- RaptorIndex over Chroma ---------------------------------------------------------------------
 def test_index_in_chroma_server_persist_and_reload(
     chroma_server: Any, essay_docs: list[Document], st_embedder: Any, tmp_path: Any
