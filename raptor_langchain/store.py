@@ -68,7 +68,14 @@ from raptor_core.exceptions import (
     InvalidParameterError,
     TreeFormatError,
 )
-from raptor_core.store.codec import is_node_metadata, node_from_metadata, node_metadata
+from raptor_core.store.codec import (
+    MAX_LAYERS,
+    checked_layer_sizes,
+    is_node_metadata,
+    node_from_metadata,
+    node_metadata,
+    tree_layer_sizes,
+)
 from raptor_core.store.filters import check_where, compile_where
 from raptor_core.store.vectors import StoreShape, unit_rows
 from raptor_core.tree import Node, Tree
@@ -93,8 +100,6 @@ STORE_FORMAT = ("raptor-tree-store", 1)
 # Searches whose filter runs partly in Python ask the store for this many extra documents
 # first, and four times more each time too few pass.
 _SLACK = 8
-# More layers than this in a manifest's layer_sizes is damage (max_layers is bounded alike).
-_MAX_LAYERS = 1000
 # A layer of at most this many nodes has its ids listed once and cached (dialects with
 # ``layer_ids``), so a search restricted to it, such as a traversal's first step, scores
 # those ids exactly instead of running a filtered search, which Chroma answers by scanning
@@ -298,14 +303,13 @@ class LangChainNodeStore:
         manifest.setdefault("params", {})
         manifest["complete"] = True
         if layer_sizes is not None:
-            sizes = list(layer_sizes)
-            if len(sizes) > _MAX_LAYERS or not all(
-                isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 0
-                for n in sizes
-            ):
-                msg = f"layer_sizes must be at most {_MAX_LAYERS} counts >= 0, got {sizes!r:.80}"
+            sizes = checked_layer_sizes(list(layer_sizes))
+            if sizes is None:
+                msg = (
+                    f"layer_sizes must be at most {MAX_LAYERS} counts >= 0, got {layer_sizes!r:.80}"
+                )
                 raise InvalidParameterError(msg)
-            manifest["layer_sizes"] = [int(n) for n in sizes]
+            manifest["layer_sizes"] = sizes
         elif not self.dialect.can_count:
             manifest.setdefault("layer_sizes", [])
         self._write_manifest(manifest)
@@ -354,21 +358,18 @@ class LangChainNodeStore:
         Raises:
             TreeFormatError: they are not a list of at most 1,000 non-negative integers.
         """
-        sizes = (self.manifest or {}).get("layer_sizes")
-        if sizes is None:
+        raw = (self.manifest or {}).get("layer_sizes")
+        if raw is None:
             return None
-        if (
-            not isinstance(sizes, list)
-            or len(sizes) > _MAX_LAYERS
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)
-        ):
+        sizes = checked_layer_sizes(raw) if isinstance(raw, list) else None
+        if sizes is None:
             msg = (
-                f"the {MANIFEST_ID!r} document's layer_sizes is damaged ({str(sizes)[:80]}): "
+                f"the {MANIFEST_ID!r} document's layer_sizes is damaged ({str(raw)[:80]}): "
                 "the store was edited outside raptor-retriever; rebuild the tree into an "
                 "empty store (collection)"
             )
             raise TreeFormatError(msg)
-        return list(sizes)
+        return sizes
 
     def _layer_sizes(self) -> list[int]:
         return self._recorded_sizes() or []
@@ -537,8 +538,7 @@ class LangChainNodeStore:
             self.add(nodes[start : start + batch_size], tree.embeddings[start : start + batch_size])
         # Last, like tree.json in a tree directory: an interrupted write leaves no complete
         # manifest, and from_vectorstore refuses the store instead of serving half a tree.
-        sizes = [len(tree.layer(layer)) for layer in range(tree.top_layer + 1)]
-        self.write_manifest(params=tree.params, dim=tree.dim, layer_sizes=sizes)
+        self.write_manifest(params=tree.params, dim=tree.dim, layer_sizes=tree_layer_sizes(tree))
 
     # -- reads -----------------------------------------------------------------------------------
     def _fetch_nodes(

@@ -40,6 +40,7 @@ from llama_index.core.storage.storage_context import StorageContext
 from raptor_core.build.builder import ProgressCallback, TreeBuilder, describe
 from raptor_core.build.incremental import TreeUpdate, UpdateReport
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
+from raptor_core.store.codec import MAX_LAYERS, checked_layer_sizes, tree_layer_sizes
 from raptor_core.tree import Tree
 from raptor_core.types import LLM, Document, Embedder, Summarizer
 from raptor_llamaindex.ingestion import (
@@ -65,7 +66,7 @@ from raptor_llamaindex.retriever import (
     save_with_params,
     strategy_param_names,
 )
-from raptor_llamaindex.store import MAX_LAYERS, LlamaIndexNodeStore, tree_layer_sizes
+from raptor_llamaindex.store import LlamaIndexNodeStore
 
 __all__ = ["RAPTOR_INDEX_TYPE", "RaptorIndex", "RaptorIndexStruct", "to_core_documents"]
 
@@ -229,11 +230,7 @@ def _checked_struct(struct: IndexStruct) -> RaptorIndexStruct:
         msg = f"{where}: 'params' is not an object (edited or damaged)"
         raise TreeFormatError(msg)
     sizes = struct.layer_sizes
-    if sizes is not None and (
-        not isinstance(sizes, list)
-        or len(sizes) > MAX_LAYERS
-        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)
-    ):
+    if sizes is not None and (not isinstance(sizes, list) or checked_layer_sizes(sizes) is None):
         msg = (
             f"{where}: 'layer_sizes' is not a list of at most {MAX_LAYERS} counts >= 0 "
             "(edited or damaged); remove it to have the vector store asked instead"

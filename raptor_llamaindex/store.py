@@ -67,11 +67,14 @@ from numpy.typing import NDArray
 
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 from raptor_core.store.codec import (
+    MAX_LAYERS,
     STRUCTURAL_PREFIX,
+    checked_layer_sizes,
     is_node_metadata,
     node_from_metadata,
     node_metadata,
     scalar_value,
+    tree_layer_sizes,
 )
 from raptor_core.store.filters import check_where, compile_where
 from raptor_core.store.vectors import StoreShape, unit_rows
@@ -105,13 +108,6 @@ STORE_METADATA_KEYS = (
 # Searches whose filter runs partly in Python ask for this many extra nodes first, and
 # four times more each time too few pass.
 _SLACK = 8
-#: More layers than this in recorded layer sizes is damage (max_layers is bounded alike).
-MAX_LAYERS = 1000
-
-
-def tree_layer_sizes(tree: Tree) -> list[int]:
-    """Nodes per layer of ``tree``, bottom up (what ``layer_sizes`` records)."""
-    return [len(tree.layer(layer)) for layer in range(tree.top_layer + 1)]
 
 
 # -- node <-> TextNode -------------------------------------------------------------------------
@@ -356,14 +352,11 @@ class LlamaIndexNodeStore:
     @layer_sizes.setter
     def layer_sizes(self, sizes: Sequence[int] | None) -> None:
         if sizes is not None:
-            sizes = list(sizes)
-            if len(sizes) > MAX_LAYERS or not all(
-                isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 0
-                for n in sizes
-            ):
+            checked = checked_layer_sizes(list(sizes))
+            if checked is None:
                 msg = f"layer_sizes must be at most {MAX_LAYERS} counts >= 0, got {sizes!r:.80}"
                 raise InvalidParameterError(msg)
-            sizes = [int(n) for n in sizes]
+            sizes = checked
         self._sizes: list[int] | None = sizes
         self._top = None
 

@@ -94,3 +94,27 @@ def stop(server: ChromaServer) -> None:
     except subprocess.TimeoutExpired:
         server.process.kill()
         server.process.wait()
+
+
+class Recorder:
+    """Wraps a chromadb collection's ``get``, ``query`` and ``count``, recording each ``where``.
+
+    Chroma answers any metadata ``where`` by reading the whole collection, so the tests of
+    opening a large tree assert that none was sent (``filtered == []``).
+    """
+
+    def __init__(self, collection: Any, monkeypatch: Any) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        for method in ("get", "query", "count"):
+            original = getattr(collection, method)
+
+            def record(*args: Any, _name: str = method, _f: Any = original, **kwargs: Any) -> Any:
+                self.calls.append((_name, kwargs.get("where")))
+                return _f(*args, **kwargs)
+
+            monkeypatch.setattr(collection, method, record)
+
+    @property
+    def filtered(self) -> list[tuple[str, Any]]:
+        """The calls that sent a (non-empty) ``where``."""
+        return [call for call in self.calls if call[1]]

@@ -32,20 +32,55 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from raptor_core.exceptions import TreeFormatError
-from raptor_core.tree import Node, is_carried
+from raptor_core.tree import Node, Tree, is_carried
 
 __all__ = [
+    "MAX_LAYERS",
     "STRUCTURAL_PREFIX",
+    "checked_layer_sizes",
     "is_node_metadata",
     "node_from_metadata",
     "node_metadata",
     "scalar_value",
+    "tree_layer_sizes",
 ]
 
 #: Metadata keys with this prefix are the codec's; a user's own keys with it are not copied
 #: out of ``raptor_metadata`` (they would be mistaken for structure).
 STRUCTURAL_PREFIX = "raptor_"
+
+
+#: The most layers a recorded ``layer_sizes`` may list: trees have a handful, and the bound
+#: keeps a damaged record from making a store allocate without limit.
+MAX_LAYERS = 1000
+
+
+def checked_layer_sizes(value: object) -> list[int] | None:
+    """``value`` as per-layer node counts (bottom up), or None when it is not such a list.
+
+    Adapters record the counts next to the tree (a store manifest, an index struct) so the
+    top layer is known without asking the store; what they read back is checked here.  A
+    list of at most :data:`MAX_LAYERS` integers >= 0 (numpy integers too, booleans not).
+
+    Examples:
+        >>> checked_layer_sizes([120, 14, 2]), checked_layer_sizes([3, -1]), checked_layer_sizes("3")
+        ([120, 14, 2], None, None)
+    """
+    if not isinstance(value, list | tuple) or len(value) > MAX_LAYERS:
+        return None
+    if not all(
+        isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 0 for n in value
+    ):
+        return None
+    return [int(n) for n in value]
+
+
+def tree_layer_sizes(tree: Tree) -> list[int]:
+    """Nodes per layer of ``tree``, bottom up (what adapters record as ``layer_sizes``)."""
+    return [len(tree.layer(layer)) for layer in range(tree.top_layer + 1)]
 
 
 def scalar_value(value: object) -> bool:

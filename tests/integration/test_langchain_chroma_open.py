@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from chroma_server import Recorder
 
 pytest.importorskip("langchain_chroma")
 
@@ -32,25 +33,6 @@ from raptor_langchain.store import MANIFEST_ID
 pytestmark = pytest.mark.integration
 
 DIM = 32
-
-
-class Recorder:
-    """Wraps a chromadb collection's ``get`` and ``query``, recording each call's ``where``."""
-
-    def __init__(self, collection: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls: list[tuple[str, Any]] = []
-        for method in ("get", "query", "count"):
-            original = getattr(collection, method)
-
-            def record(*args: Any, _name: str = method, _f: Any = original, **kwargs: Any) -> Any:
-                self.calls.append((_name, kwargs.get("where")))
-                return _f(*args, **kwargs)
-
-            monkeypatch.setattr(collection, method, record)
-
-    @property
-    def filtered(self) -> list[tuple[str, Any]]:
-        return [call for call in self.calls if call[1] is not None]
 
 
 @pytest.fixture

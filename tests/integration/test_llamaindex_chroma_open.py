@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chroma_server import Recorder
 
 pytest.importorskip("llama_index.vector_stores.chroma")
 
@@ -22,10 +23,11 @@ from llama_index.core import Document, StorageContext, load_index_from_storage
 from llama_index.vector_stores.chroma import ChromaVectorStore
 
 from raptor_core.exceptions import TreeFormatError
+from raptor_core.store.codec import tree_layer_sizes
 from raptor_core.testing import FakeEmbedder
 from raptor_llamaindex import RaptorIndex
 from raptor_llamaindex.index import RaptorIndexStruct
-from raptor_llamaindex.store import LlamaIndexNodeStore, tree_layer_sizes
+from raptor_llamaindex.store import LlamaIndexNodeStore
 
 pytestmark = pytest.mark.integration
 
@@ -43,25 +45,6 @@ def _vector_store(path: Path) -> ChromaVectorStore:
     # A new client each time: a reopened index shares no cache with the writer.
     client = chromadb.PersistentClient(path=str(path / "chroma"))
     return ChromaVectorStore(chroma_collection=client.get_or_create_collection("tree"))
-
-
-class Recorder:
-    """Wraps a chromadb collection's ``get`` and ``query``, recording each call's ``where``."""
-
-    def __init__(self, collection: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls: list[tuple[str, Any]] = []
-        for method in ("get", "query", "count"):
-            original = getattr(collection, method)
-
-            def record(*args: Any, _name: str = method, _f: Any = original, **kwargs: Any) -> Any:
-                self.calls.append((_name, kwargs.get("where")))
-                return _f(*args, **kwargs)
-
-            monkeypatch.setattr(collection, method, record)
-
-    @property
-    def filtered(self) -> list[tuple[str, Any]]:
-        return [call for call in self.calls if call[1]]
 
 
 @pytest.fixture
