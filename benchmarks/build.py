@@ -8,9 +8,14 @@ clustering must stay below embedding.
 
 Usage:
     python benchmarks/build.py [--tokens 50000] [--threads N] [--seed 0] [--json OUT]
+    python benchmarks/build.py --corpus mixed --tokens 1000000     # scaling runs
 
-Input: QuALITY articles from ../shared/data when present (real prose), otherwise the
-project's own docs and test texts repeated with their paragraphs shuffled.
+Input (``--corpus quality``, the default): QuALITY articles from ../shared/data when present
+(real prose), topped up with the project's own docs and test texts, paragraphs shuffled.
+``--corpus mixed``: the lines of every document in ../shared/data (papers, stories,
+meetings, web pages, articles) shuffled together and cut into documents of 200 lines, so
+that a corpus of any size has the same mix of kinds of text; compare sizes with it (with
+the default, 100k tokens are all QuALITY prose and 1M mostly Markdown).
 """
 
 from __future__ import annotations
@@ -59,12 +64,36 @@ def load_corpus(target_tokens: int, count) -> tuple[list[dict[str, str]], str]:
     return docs, "project docs + tests/data (shuffled)"
 
 
+def load_mixed(target_tokens: int, count) -> tuple[list[dict[str, str]], str]:
+    lines = []
+    for path in sorted(SHARED.glob("*_docs.jsonl")):
+        with path.open(encoding="utf-8") as f:
+            for record in map(json.loads, f):
+                lines += [line for line in record["text"].splitlines() if line.strip()]
+    if not lines:
+        msg = f"--corpus mixed needs the documents of {SHARED}"
+        raise SystemExit(msg)
+    rng = random.Random(0)
+    docs: list[dict[str, str]] = []
+    total = 0
+    while total < target_tokens:
+        rng.shuffle(lines)  # each pass a new order: repeated text is not repeated chunks
+        for start in range(0, len(lines), 200):
+            text = "\n".join(lines[start : start + 200])
+            docs.append({"doc_id": f"mixed-{len(docs)}", "text": text})
+            total += count(text)
+            if total >= target_tokens:
+                break
+    return docs, f"every document of {SHARED.name}, lines shuffled (mixed)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=50_000)
     parser.add_argument("--threads", type=int, default=None, help="TreeBuilder n_threads cap")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--corpus", choices=["quality", "mixed"], default="quality")
     args = parser.parse_args()
 
     from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
@@ -72,7 +101,8 @@ def main() -> int:
     from raptor_core.tokenizers import count_tokens, default_tokenizer
 
     tokenizer = default_tokenizer()
-    docs, source = load_corpus(args.tokens, lambda t: count_tokens(tokenizer, t))
+    loader = load_mixed if args.corpus == "mixed" else load_corpus
+    docs, source = loader(args.tokens, lambda t: count_tokens(tokenizer, t))
     n_tokens = sum(count_tokens(tokenizer, d["text"]) for d in docs)
 
     embedder = SentenceTransformerEmbedder()
@@ -129,7 +159,13 @@ def main() -> int:
     if args.json:
         args.json.write_text(
             json.dumps(
-                {"tokens": n_tokens, "timings": timings, "total": total, "peak_rss_mb": peak},
+                {
+                    "tokens": n_tokens,
+                    "corpus": source,
+                    "timings": timings,
+                    "total": total,
+                    "peak_rss_mb": peak,
+                },
                 indent=2,
             )
         )
