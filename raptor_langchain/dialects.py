@@ -38,6 +38,7 @@ from langchain_core.vectorstores import InMemoryVectorStore, VectorStore
 from numpy.typing import NDArray
 
 from raptor_core.exceptions import InvalidParameterError
+from raptor_core.store.vectors import nearest_rows
 
 __all__ = [
     "ChromaDialect",
@@ -371,27 +372,27 @@ class ChromaDialect:
 
     def _exact_query(self, vector: NDArray[np.float32], m: int, native: Any) -> list[Row]:
         """The ``m`` records passing ``native`` nearest to ``vector``, by exact cosine."""
-        include = [*_CHROMA_INCLUDE, "embeddings"]
-        step = self._batch()
-        rows: list[Row] = []
-        offset = 0
-        while True:
-            got = self.collection.get(where=native, limit=step, offset=offset, include=include)
-            rows += self._rows(got["ids"], got["documents"], got["metadatas"], got["embeddings"])
-            if len(got["ids"]) < step:
-                break
-            offset += step
+        rows = [
+            row
+            for got in self._pages([*_CHROMA_INCLUDE, "embeddings"], where=native)
+            for row in self._rows(got["ids"], got["documents"], got["metadatas"], got["embeddings"])
+        ]
         if not rows:
             return []
-        q = np.asarray(vector, dtype=np.float32).reshape(-1)
         matrix = np.stack([np.asarray(r.vector, dtype=np.float32) for r in rows])
-        norms = np.linalg.norm(matrix, axis=1)
-        scores = np.einsum("ij,j->i", matrix, q) / np.where(norms > 0, norms, 1.0)
-        # Best first; ties in id order, as a stable answer for the same records.
-        order = sorted(
-            range(len(rows)), key=lambda i: (-float(scores[i]), str(rows[i].document.id))
-        )
-        return [rows[i] for i in order[:m]]
+        ids = [str(r.document.id) for r in rows]
+        return [rows[i] for i, _ in nearest_rows(vector, matrix, ids, m)]
+
+    def _pages(self, include: list[str], *, where: Any = None) -> Iterator[Any]:
+        """``collection.get`` results of every record passing ``where``, a page at a time."""
+        step = self._batch()
+        offset = 0
+        while True:
+            got = self.collection.get(where=where, limit=step, offset=offset, include=include)
+            yield got
+            if len(got["ids"]) < step:
+                return
+            offset += step
 
     def delete(self, ids: Sequence[str]) -> None:
         """``collection.delete`` (unknown ids are ignored by Chroma)."""
@@ -405,15 +406,9 @@ class ChromaDialect:
 
     def scan(self) -> Iterator[Document]:
         """Every document, a page at a time."""
-        step = self._batch()
-        offset = 0
-        while True:
-            got = self.collection.get(limit=step, offset=offset, include=list(_CHROMA_INCLUDE))
+        for got in self._pages(list(_CHROMA_INCLUDE)):
             for row in self._rows(got["ids"], got["documents"], got["metadatas"], None):
                 yield row.document
-            if len(got["ids"]) < step:
-                return
-            offset += step
 
     def max_layer(self) -> int:
         """Probe layers upwards with one-id ``get`` calls (trees have a handful of layers)."""

@@ -74,6 +74,7 @@ from raptor_core.store.codec import (
     is_node_metadata,
     node_from_metadata,
     node_metadata,
+    top_layer_of,
     tree_layer_sizes,
 )
 from raptor_core.store.filters import check_where, compile_where
@@ -149,10 +150,6 @@ def document_to_node(document: Document) -> Node:
 
 
 # -- the store ---------------------------------------------------------------------------------
-def _top_of(sizes: Sequence[int]) -> int:
-    return max((layer for layer, n in enumerate(sizes) if n > 0), default=-1)
-
-
 def _core_embedder(embeddings: Embeddings | Embedder | None) -> Embedder | None:
     if embeddings is None:
         return None
@@ -424,11 +421,11 @@ class LangChainNodeStore:
         """
         if self._top is None:
             sizes = self._trusted_sizes()
-            top = None if sizes is None else _top_of(sizes)
+            top = None if sizes is None else top_layer_of(sizes)
             if top is None:
                 top = self.dialect.max_layer()
             if top is None:
-                top = _top_of(self._layer_sizes())
+                top = top_layer_of(self._layer_sizes())
             self._top = top
         return self._top
 

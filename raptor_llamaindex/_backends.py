@@ -36,6 +36,7 @@ from llama_index.core.vector_stores.utils import build_metadata_filter_fn, metad
 from numpy.typing import NDArray
 
 from raptor_core.exceptions import InvalidParameterError
+from raptor_core.store.vectors import nearest_rows
 
 __all__ = [
     "BATCH",
@@ -337,18 +338,19 @@ class ChromaBackend(GenericBackend):
             )
         else:
             pages = self._pages(include)
-        q = np.asarray(q, dtype=np.float32).reshape(-1)
-        scored: list[tuple[str, float]] = []
+        found: list[str] = []
+        vectors: list[NDArray[np.float32]] = []
         for got in pages:
             for i, node_id in enumerate(got["ids"]):
                 meta = got["metadatas"][i] or {}
                 vector = _vector(got["embeddings"][i])
                 if vector is None or (filters is not None and not filters_pass(filters, meta)):
                     continue
-                norm = float(np.linalg.norm(vector))
-                scored.append((str(node_id), float(vector @ q) / norm if norm > 0 else 0.0))
-        scored.sort(key=lambda pair: (-pair[1], pair[0]))
-        return scored[:m]
+                found.append(str(node_id))
+                vectors.append(vector)
+        if not found:
+            return []
+        return [(found[i], score) for i, score in nearest_rows(q, np.stack(vectors), found, m)]
 
     def _pages(self, include: list[str]) -> Iterator[Mapping[str, Any]]:
         offset = 0

@@ -74,6 +74,7 @@ from raptor_core.store.codec import (
     node_from_metadata,
     node_metadata,
     scalar_value,
+    top_layer_of,
     tree_layer_sizes,
 )
 from raptor_core.store.filters import check_where, compile_where
@@ -396,7 +397,7 @@ class LlamaIndexNodeStore:
         if self._top is None:
             sizes = self._sizes
             if sizes is not None and self.backend.cheap_count and sum(sizes) == len(self):
-                self._top = max((i for i, n in enumerate(sizes) if n > 0), default=-1)
+                self._top = top_layer_of(sizes)
             else:
                 # No sizes, a store that counts only by listing, or sizes that no longer
                 # add up (the index store saved apart from the vector store's writes).

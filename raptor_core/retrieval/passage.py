@@ -482,10 +482,10 @@ class PassageRetriever(TreeRetriever):
         # provably in the order a ranking of every leaf would give, and ``m`` grows when the
         # budget is not full by then (so any store gives the in-memory answer).
         m = max(depth, 2 * math.ceil(fits), 16)
+        cap = None if max_tokens is None else float(self.max_share) * max_tokens
         while True:
             ranked = self._rank(leaves, vector, lexical, depth, min(m, n))
             selection = _Selection(tokens, order, max_tokens, k, allow_cut=tokenizer is not None)
-            cap = None if max_tokens is None else float(self.max_share) * max_tokens
             complete = self._select(selection, ranked, order, tokens, cap)
             if complete or ranked.everything:
                 break

@@ -45,6 +45,7 @@ __all__ = [
     "node_from_metadata",
     "node_metadata",
     "scalar_value",
+    "top_layer_of",
     "tree_layer_sizes",
 ]
 
@@ -81,6 +82,16 @@ def checked_layer_sizes(value: object) -> list[int] | None:
 def tree_layer_sizes(tree: Tree) -> list[int]:
     """Nodes per layer of ``tree``, bottom up (what adapters record as ``layer_sizes``)."""
     return [len(tree.layer(layer)) for layer in range(tree.top_layer + 1)]
+
+
+def top_layer_of(sizes: Sequence[int]) -> int:
+    """The highest layer with nodes in recorded ``layer_sizes`` (-1: none).
+
+    Examples:
+        >>> top_layer_of([120, 14, 2, 0]), top_layer_of([])
+        (2, -1)
+    """
+    return max((layer for layer, n in enumerate(sizes) if n > 0), default=-1)
 
 
 def scalar_value(value: object) -> bool:

@@ -6,16 +6,17 @@ callers and from other stores; each must refuse the same bad input with the same
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from raptor_core._threads import matvec
 from raptor_core.exceptions import InvalidInputError
 
-__all__ = ["StoreShape", "unit_rows"]
+__all__ = ["StoreShape", "nearest_rows", "unit_rows"]
 
 
 def unit_rows(vectors: object, n: int, dim: int | None) -> NDArray[np.float32]:
@@ -47,6 +48,30 @@ def unit_rows(vectors: object, n: int, dim: int | None) -> NDArray[np.float32]:
         msg = "vectors contain an all-zero row; cosine similarity is undefined for it"
         raise InvalidInputError(msg)
     return np.ascontiguousarray(arr / norms, dtype=np.float32)
+
+
+def nearest_rows(
+    query: NDArray[np.float32], vectors: NDArray[np.float32], ids: Sequence[str], m: int
+) -> list[tuple[int, float]]:
+    """The ``m`` rows of ``vectors`` nearest to ``query`` by exact cosine: (row, cosine), best first.
+
+    For a store that ranks records it has read itself instead of asking its index (an
+    adapter's exact scan).  Ties go in id order, so the same records give the same answer
+    in any order; an all-zero row scores 0.
+
+    Examples:
+        >>> import numpy as np
+        >>> rows = np.array([[0.0, 2.0], [1.0, 0.0], [3.0, 0.0]], dtype=np.float32)
+        >>> nearest_rows(np.array([1.0, 0.0], dtype=np.float32), rows, ["c", "b", "a"], 2)
+        [(2, 1.0), (1, 1.0)]
+    """
+    if len(ids) == 0:
+        return []
+    norms = np.linalg.norm(vectors, axis=1)
+    scores = matvec(vectors, np.asarray(query, dtype=np.float32).reshape(-1))
+    scores = scores / np.where(norms > 0, norms, 1.0)
+    order = sorted(range(len(ids)), key=lambda i: (-float(scores[i]), str(ids[i])))
+    return [(i, float(scores[i])) for i in order[:m]]
 
 
 @dataclass(frozen=True, slots=True)
