@@ -228,7 +228,14 @@ def main() -> int:
         "default": default,
         "margins": {
             name: {
-                half: {str(b): _cell(res_half, SETS[name][1], b, default) for b in budgets}
+                half: {
+                    str(b): {
+                        k: v
+                        for k, v in _cell(res_half, SETS[name][1], b, default).items()
+                        if k != "draws"
+                    }
+                    for b in budgets
+                }
                 for half, res_half in halves[name].items()
             }
             for name in results
@@ -280,37 +287,62 @@ def _halves(result: Any) -> dict[str, Any]:
 
 
 def _cell(result: Any, metric: str, budget: int, default: str) -> dict[str, Any]:
-    """The default strategy's score, the best flat baseline and the margin for one cell."""
+    """The default strategy's score, the best flat baseline and the margin for one cell.
+
+    ``draws`` are the margin's paired-bootstrap draws (kept out of the JSON), ``interval``
+    their 95% interval.
+    """
     from raptor_core.evaluation import report
 
     best = report.best_flat(result, budget, metric)
     value = result.score(default, budget, metric) if default in result.retrievers else None
+    draws = report.margin_draws(result, default, budget, metric)
     return {
         "default": value,
         "best_flat": None if best is None else best[1],
         "best_flat_name": None if best is None else best[0],
         "margin": None if best is None or value is None else value - best[1],
+        "interval": None if draws is None else report.margin_interval(draws),
         "questions": result.config.get("questions"),
+        "draws": draws,
     }
+
+
+def _points(value: float) -> str:
+    return f"{value * 100:+.1f}"
+
+
+def _margin_text(margin: float | None, interval: tuple[float, float] | None) -> str:
+    if margin is None:
+        return "-"
+    if interval is None:
+        return _points(margin)
+    return f"{_points(margin)} ({_points(interval[0])}, {_points(interval[1])})"
 
 
 def _headline(
     results: dict[str, Any], halves: dict[str, Any], budgets: list[int], default: str
 ) -> list[str]:
     """Markdown: the default strategy against the best flat baseline, per set, budget, half."""
+    from raptor_core.evaluation import report
+
     lines = [
         f"## Headline: `{default}` (the default) against the best flat baseline",
         "",
         "Primary metric of each set; margin = default minus best flat baseline, in points "
-        "(hundredths of recall). The average is over the sets.",
+        "(hundredths of recall), with its 95% interval from a paired bootstrap over the "
+        "questions (`raptor_core.evaluation.report.margin_draws`; the best baseline is chosen "
+        "again in every draw). An interval that straddles 0 is a tie at this sample size. The "
+        "average is over the sets.",
         "",
     ]
     for half in ("dev", "held-out", "all"):
         header = ["set (questions)"]
         for b in budgets:
-            header += [f"default @{b}", f"best flat @{b}", "margin"]
+            header += [f"default @{b}", f"best flat @{b}", "margin (95% interval)"]
         lines += [f"**{half}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         margins: dict[int, list[float]] = {b: [] for b in budgets}
+        draws: dict[int, list[Any]] = {b: [] for b in budgets}
         for name in results:
             res = halves[name].get(half)
             if res is None:
@@ -321,16 +353,24 @@ def _headline(
                 cell = _cell(res, metric, b, default)
                 if cell["margin"] is not None:
                     margins[b].append(cell["margin"])
+                if cell["draws"] is not None:
+                    draws[b].append(cell["draws"])
                 cells += [
                     _fmt(cell["default"]),
                     f"{_fmt(cell['best_flat'])} ({cell['best_flat_name']})",
-                    "-" if cell["margin"] is None else f"{cell['margin'] * 100:+.1f}",
+                    _margin_text(cell["margin"], cell["interval"]),
                 ]
             lines.append("| " + " | ".join(cells) + " |")
         avg = ["**average margin**"]
         for b in budgets:
             values = margins[b]
-            avg += ["", "", f"**{sum(values) / len(values) * 100:+.1f}**" if values else "-"]
+            if not values:
+                avg += ["", "", "-"]
+                continue
+            mean = sum(values) / len(values)
+            # Sets are resampled independently; the interval is of the draw-wise average.
+            interval = report.margin_interval(draws[b]) if len(draws[b]) == len(values) else None
+            avg += ["", "", f"**{_margin_text(mean, interval)}**"]
         lines += ["| " + " | ".join(avg) + " |", ""]
     return lines
 

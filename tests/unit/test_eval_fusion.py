@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from raptor_core import DEFAULT_STRATEGY
@@ -152,3 +153,81 @@ def test_holdout_split_is_a_fixed_function_of_the_id() -> None:
     assert set(splits) == set(HOLDOUT_SPLITS)
     assert splits == [holdout_split(i) for i in ids]
     assert 60 < splits.count("dev") < 140  # about half
+
+
+def scored(per_retriever: dict[str, list[float | None]], budget: int = 40) -> object:
+    """An EvalResult with one row per (question, retriever), as ``evaluate`` writes them."""
+    from raptor_core.evaluation.runner import EvalResult
+
+    rows = [
+        {
+            "doc_id": "d",
+            "question_id": f"q{i}",
+            "retriever": name,
+            "budget": budget,
+            "evidence_recall": value,
+        }
+        for name, values in per_retriever.items()
+        for i, value in enumerate(values)
+    ]
+    summary = [{"retriever": name, "budget": budget} for name in per_retriever]
+    return EvalResult(config={}, rows=rows, summary=summary, builds={})
+
+
+def test_margin_draws_are_a_paired_bootstrap_of_the_margin() -> None:
+    # The default wins every question by exactly 0.25: every resample says so.
+    sure = scored({"passage": [0.5, 1.0, 0.75, 0.25], "dense": [0.25, 0.75, 0.5, 0.0]})
+    draws = report.margin_draws(sure, "passage", 40, "evidence_recall")  # type: ignore[arg-type]
+    assert draws is not None and draws.shape == (2000,)
+    assert report.margin_interval(draws) == pytest.approx((0.25, 0.25))
+    # One question of twenty decides: a tie at this sample size, the interval straddles 0.
+    luck = scored({"passage": [1.0] + [0.0] * 19, "dense": [0.0] * 20})
+    draws = report.margin_draws(luck, "passage", 40, "evidence_recall")  # type: ignore[arg-type]
+    assert draws is not None
+    low, high = report.margin_interval(draws)
+    assert low <= 0.0 < 0.05 < high
+    assert draws.mean() == pytest.approx(0.05, abs=0.01)
+    # Unscored questions (no gold of that kind) are left out, as the means leave them out.
+    gaps = scored({"passage": [1.0, None, 1.0], "dense": [0.0, None, 0.0]})
+    draws = report.margin_draws(gaps, "passage", 40, "evidence_recall")  # type: ignore[arg-type]
+    assert draws is not None and set(draws.tolist()) == {1.0}
+
+
+def test_margin_draws_choose_the_best_baseline_in_every_draw() -> None:
+    # Each baseline wins half of the questions: in any resample the better one is at least
+    # as good as either, so no draw can exceed the margin over a baseline fixed in advance.
+    result = scored(
+        {
+            "passage": [0.5] * 10,
+            "dense": [1.0] * 5 + [0.0] * 5,
+            "bm25": [0.0] * 5 + [1.0] * 5,
+        }
+    )
+    draws = report.margin_draws(result, "passage", 40, "evidence_recall", resamples=500)  # type: ignore[arg-type]
+    fixed = report.margin_draws(
+        result,  # type: ignore[arg-type]
+        "passage",
+        40,
+        "evidence_recall",
+        baselines=("dense",),
+        resamples=500,
+    )
+    assert draws is not None and fixed is not None
+    assert (draws <= fixed + 1e-12).all() and draws.max() <= 0.0 < fixed.max()
+    # Draws of several sets average element-wise into the interval of an average margin.
+    low, high = report.margin_interval([draws, fixed])
+    assert low < high
+
+
+def test_margin_draws_and_interval_reject_what_cannot_be_answered() -> None:
+    from raptor_core.exceptions import InvalidParameterError
+
+    result = scored({"passage": [1.0], "dense": [0.0]})
+    assert report.margin_draws(result, "collapsed", 40, "evidence_recall") is None  # type: ignore[arg-type]
+    assert report.margin_draws(result, "passage", 40, "answer_recall") is None  # type: ignore[arg-type]
+    with pytest.raises(InvalidParameterError, match="resamples"):
+        report.margin_draws(result, "passage", 40, "evidence_recall", resamples=0)  # type: ignore[arg-type]
+    with pytest.raises(InvalidParameterError, match="confidence"):
+        report.margin_interval(np.zeros(3), confidence=1.0)
+    with pytest.raises(InvalidParameterError, match="no draws"):
+        report.margin_interval([])
