@@ -214,6 +214,10 @@ def _notes(result: EvalResult) -> list[str]:
             text = f"@{budget} {best[1]:.3f} ({best[0]})"
             if default is not None:
                 text += f", {default} {_signed(margin(result, default, budget, metric))}"
+                draws = margin_draws(result, default, budget, metric)
+                if draws is not None:
+                    low, high = margin_interval(draws)
+                    text += f" (95% {low:+.3f}..{high:+.3f})"
             cells.append(text)
         if cells:
             notes.append(f"best flat baseline, {LABELS.get(metric, metric)}: " + "; ".join(cells))

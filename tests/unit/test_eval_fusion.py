@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 
@@ -137,6 +139,13 @@ def test_report_shows_the_best_flat_baseline_and_the_default_margin() -> None:
     assert gap == pytest.approx(result.score(default, 40, "evidence_recall") - best[1])  # type: ignore[attr-defined]
     markdown = report.to_markdown(result)  # type: ignore[arg-type]
     assert "**best flat baseline**" in markdown and f"**{default} − best flat**" in markdown
+    # The printed notes give each margin with its 95% interval (paired bootstrap).
+    out = io.StringIO()
+    report.print_table(result, file=out, rich=False)  # type: ignore[arg-type]
+    draws = report.margin_draws(result, default, 40, "evidence_recall")  # type: ignore[arg-type]
+    assert draws is not None
+    low, high = report.margin_interval(draws)
+    assert f"{default} {gap:+.3f} (95% {low:+.3f}..{high:+.3f})" in out.getvalue()
 
 
 def test_restrict_rescores_a_subset_of_documents() -> None:
