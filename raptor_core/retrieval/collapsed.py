@@ -117,8 +117,9 @@ def ranked_within_budget(
     node that does not fit is skipped and the next one tried, so the budget is filled
     without ever being exceeded (:func:`~raptor_core.retrieval.base.fill_ranked`).
     """
-    if isinstance(store, InMemoryNodeStore):
-        # Same answer, without building a Match for every node of the prefix.
+    if isinstance(store, InMemoryNodeStore) and type(store).search is InMemoryNodeStore.search:
+        # Same answer, without building a Match for every node of the prefix (a subclass
+        # with its own search goes the general way, through that search).
         return store.search_within_budget(
             vector, k, max_tokens=max_tokens, where=where, min_score=min_score
         )
