@@ -13,7 +13,16 @@ Three parts, each printed as ratios against baselines measured in the same run:
    embedding is excluded) at 10k and 100k nodes: alone, with one busy-loop subprocess
    running, and 16 queries from 16 threads at once (wall time / 16, and each query's own
    latency) against one query alone.  BLAS keeps its default threads, as in a user's process.
-3. **Query embedding** with the real all-MiniLM-L6-v2 (``--no-embed`` skips it): alone and
+3. **Approximate search** (``FaissHNSWIndex``, defaults) against the exact search of part 2,
+   at the same sizes: the collapsed query through the HNSW index alone, beside the busy
+   process and from 16 threads; leaves only (a ``restrict_to`` filter inside the graph);
+   recall@10 of the collapsed hits and of the index against exact search; build time.  With
+   ``--real N``, also recall and latency over N real sentence vectors (all-MiniLM-L6-v2 over
+   the shared evaluation documents, embedded once and cached: ``--real-cache``).  With
+   ``--sweep``, the settings the defaults were chosen from: HNSW ``m``, ``ef_construction``
+   and ``ef_search``, IVF ``nlist`` and ``nprobe``, each with its build time, latency (raw
+   FAISS, against the exact flat index) and recall@10.
+4. **Query embedding** with the real all-MiniLM-L6-v2 (``--no-embed`` skips it): alone and
    with the busy process, one torch thread (now) against torch's default pool (before), and
    ONNX Runtime on one thread when the model has been exported (``raptor export-onnx``).
 
@@ -22,7 +31,8 @@ because other work on a shared machine is part of every figure.
 
 Usage:
     python benchmarks/query_load.py [--sizes 10000 100000] [--queries 50] [--no-embed]
-        [--onnx-dir DIR] [--json OUT]
+        [--no-ann] [--real N] [--real-cache FILE] [--sweep] [--only-ann] [--onnx-dir DIR]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -46,12 +57,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _synthetic import synthetic_queries, synthetic_tree
 
-from raptor_core import CollapsedTreeRetriever, FaissIndex
-from raptor_core._threads import matvec
+from raptor_core import CollapsedTreeRetriever, FaissHNSWIndex, FaissIndex, NumpyIndex
+from raptor_core._threads import matvec, single_omp_thread
 from raptor_core.retrieval.base import as_store
 
 K = 10
 CONCURRENT = 16
+BLOCK = 10  # queries of one index in a row (see median_ms)
 
 
 class LookupEmbedder:
@@ -79,16 +91,22 @@ def busy_process() -> Iterator[None]:
         proc.wait()
 
 
-def median_ms(runs: dict[str, Callable[[int], object]], n: int) -> dict[str, float]:
-    """Median milliseconds of each run, interleaved query by query so they share the noise."""
+def median_ms(runs: dict[str, Callable[[int], object]], n: int, block: int = 1) -> dict[str, float]:
+    """Median milliseconds of each run, interleaved so they share the noise.
+
+    ``block`` queries of one run follow each other before the next run's: one exact query
+    streams the whole matrix through the caches, which would otherwise slow down the query
+    of another index that runs right after it (a cost no single-index process pays).
+    """
     times: dict[str, list[float]] = {name: [] for name in runs}
     for run in runs.values():
         run(0)  # warm-up
-    for i in range(n):
+    for first in range(0, n, block):
         for name, run in runs.items():
-            start = time.perf_counter()
-            run(i)
-            times[name].append(time.perf_counter() - start)
+            for i in range(first, min(n, first + block)):
+                start = time.perf_counter()
+                run(i)
+                times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) * 1000.0 for name, t in times.items()}
 
 
@@ -173,23 +191,204 @@ def scoring_options(queries: np.ndarray, matrix: np.ndarray, n: int) -> dict[str
     return out
 
 
-def collapsed(tree_size: int, n: int) -> dict[str, float]:
+def collapsed(tree_size: int, n: int, *, ann: bool) -> dict[str, float]:
+    """Collapsed query latency, exact (the in-memory store) and through FaissHNSWIndex.
+
+    Both retrievers are timed in the same loops, query by query, so they share the noise.
+    """
     tree = synthetic_tree(tree_size, seed=0)
     vectors = synthetic_queries(tree, max(n, CONCURRENT) + 1)
     names = [f"q{i}" for i in range(len(vectors))]
     embedder = LookupEmbedder(dict(zip(names, vectors, strict=True)))
     as_store(tree)  # the one-off node store, outside the timings
-    retriever = CollapsedTreeRetriever(tree, embedder, k=K)
+    retrievers = {"exact": CollapsedTreeRetriever(tree, embedder, k=K)}
+    out: dict[str, float] = {}
+    if ann:
+        start = time.perf_counter()
+        index = FaissHNSWIndex.from_tree(tree)
+        out["HNSW build s"] = time.perf_counter() - start
+        retrievers["HNSW"] = CollapsedTreeRetriever(tree, embedder, k=K, index=index)
+        as_store(tree, index=index)
+        exact_leaves = CollapsedTreeRetriever(tree, embedder, k=K, layers=[0])
+        hnsw_leaves = CollapsedTreeRetriever(tree, embedder, k=K, layers=[0], index=index)
+        out.update(recalls(tree, vectors, index, retrievers, exact_leaves, hnsw_leaves))
 
-    def run(i: int) -> object:
-        return retriever.retrieve(names[i % len(names)])
+    def runner(retriever: CollapsedTreeRetriever) -> Callable[[int], object]:
+        return lambda i: retriever.retrieve(names[i % len(names)])
 
-    out = median_ms({"alone": run}, n)
-    per_query, latency = concurrent_ms(run, CONCURRENT)
-    out[f"{CONCURRENT} threads: wall / {CONCURRENT}"] = per_query
-    out[f"{CONCURRENT} threads: median latency"] = latency
+    runs = {name: runner(r) for name, r in retrievers.items()}
+    if ann:
+        runs["exact, leaves only"] = runner(exact_leaves)
+        runs["HNSW, leaves only (restrict_to in the graph)"] = runner(hnsw_leaves)
+    out.update({f"{name}: alone": ms for name, ms in median_ms(runs, n, BLOCK).items()})
+    for name in retrievers:
+        per_query, latency = concurrent_ms(runs[name], CONCURRENT)
+        out[f"{name}: {CONCURRENT} threads, wall / {CONCURRENT}"] = per_query
+        out[f"{name}: {CONCURRENT} threads, median latency"] = latency
     with busy_process():
-        out["busy process"] = median_ms({"busy": run}, n)["busy"]
+        busy = median_ms({name: runs[name] for name in retrievers}, n, BLOCK)
+    out.update({f"{name}: busy process": ms for name, ms in busy.items()})
+    return out
+
+
+def recall_at(found: list[str], exact: list[tuple[str, float]], k: int = K) -> float:
+    """Share of ``found[:k]`` scoring at least the exact k-th score (a tie counts as found)."""
+    scores = dict(exact)
+    kth = exact[min(k, len(exact)) - 1][1]
+    top = found[:k]
+    return sum(scores.get(i, -2.0) >= kth - 1e-6 for i in top) / max(1, min(k, len(exact)))
+
+
+def recalls(
+    tree: object,
+    queries: np.ndarray,
+    index: FaissHNSWIndex,
+    retrievers: dict[str, CollapsedTreeRetriever],
+    exact_leaves: CollapsedTreeRetriever,
+    hnsw_leaves: CollapsedTreeRetriever,
+) -> dict[str, float]:
+    """Recall@10 against exact search: the index alone, and the collapsed hits."""
+    exact_index = NumpyIndex.from_tree(tree)  # type: ignore[arg-type]
+    index_recall, hit_recall, leaf_recall = [], [], []
+    for q in queries:
+        truth = exact_index.search(q, 4 * K)
+        index_recall.append(recall_at([i for i, _ in index.search(q, K)], truth))
+        plain = retrievers["exact"].retrieve("q", embedding=q, max_tokens=None, k=4 * K)
+        approx = retrievers["HNSW"].retrieve("q", embedding=q)  # with the budget: 64 asked
+        hit_recall.append(recall_at([h.id for h in approx], [(h.id, h.score) for h in plain]))
+        plain = exact_leaves.retrieve("q", embedding=q, max_tokens=None, k=4 * K)
+        approx = hnsw_leaves.retrieve("q", embedding=q)
+        leaf_recall.append(recall_at([h.id for h in approx], [(h.id, h.score) for h in plain]))
+    return {
+        "recall@10, index": float(np.mean(index_recall)),
+        "recall@10, collapsed hits": float(np.mean(hit_recall)),
+        "recall@10, leaves only": float(np.mean(leaf_recall)),
+    }
+
+
+def sweep(vectors: np.ndarray, queries: np.ndarray, n: int) -> dict[str, float]:
+    """Build time, latency and recall@10 of HNSW and IVF settings, against exact FAISS search.
+
+    Raw FAISS searches for 64 results (what the collapsed retriever asks for with a budget),
+    one OpenMP thread, queries one at a time; builds on FAISS's default threads.
+    """
+    import faiss
+
+    d = vectors.shape[1]
+    exact = faiss.IndexFlatIP(d)
+    exact.add(vectors)
+    truth = queries @ vectors.T
+    kth = -np.partition(-truth, K - 1, axis=1)[:, K - 1]
+
+    def measure(index: object, params: object) -> tuple[float, float]:
+        with single_omp_thread(faiss):
+            _, labels = index.search(queries, 64, params=params)  # type: ignore[attr-defined]
+            ms = median_ms(
+                {"q": lambda i: index.search(queries[i % len(queries)][None], 64, params=params)},  # type: ignore[attr-defined]
+                n,
+            )["q"]
+        found = [np.mean(truth[i, labels[i, :K]] >= kth[i] - 1e-6) for i in range(len(queries))]
+        return ms, float(np.mean(found))
+
+    with single_omp_thread(faiss):
+        out = {
+            "exact (IndexFlatIP), ms": median_ms(
+                {"q": lambda i: exact.search(queries[i % len(queries)][None], 64)}, n
+            )["q"]
+        }
+    for m in (16, 32):
+        for ef_construction in (40, 80):
+            start = time.perf_counter()
+            index = faiss.IndexHNSWFlat(d, m, faiss.METRIC_INNER_PRODUCT)
+            index.hnsw.efConstruction = ef_construction
+            index.add(vectors)
+            name = f"HNSW m={m} ef_construction={ef_construction}"
+            out[f"{name}, build s"] = time.perf_counter() - start
+            for ef in (64, 128, 256):
+                params = faiss.SearchParametersHNSW()
+                params.efSearch = ef
+                ms, recall = measure(index, params)
+                out[f"{name} ef_search={ef}, ms"], out[f"{name} ef_search={ef}, recall"] = (
+                    ms,
+                    recall,
+                )
+    for nlist in (int(np.sqrt(len(vectors))), int(4 * np.sqrt(len(vectors)))):
+        start = time.perf_counter()
+        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
+        index.train(vectors)
+        index.add(vectors)
+        name = f"IVF nlist={nlist}"
+        out[f"{name}, build s"] = time.perf_counter() - start
+        for nprobe in (8, 16, 32, 64):
+            params = faiss.SearchParametersIVF()
+            params.nprobe = nprobe
+            ms, recall = measure(index, params)
+            out[f"{name} nprobe={nprobe}, ms"], out[f"{name} nprobe={nprobe}, recall"] = ms, recall
+    return out
+
+
+def print_sweep(title: str, row: dict[str, float]) -> None:
+    base = row["exact (IndexFlatIP), ms"]
+    print(
+        f"\n## {title}: settings swept (raw FAISS, 64 results; ratio: to exact; {load_average()})"
+    )
+    for name, value in row.items():
+        if name.endswith("build s"):
+            print(f"{name:<54}{value:9.2f} s")
+        elif name.endswith("ms"):
+            recall = row.get(name[:-2] + "recall")
+            extra = "" if recall is None else f"  recall@10 {recall:.4f}"
+            print(f"{name[:-4]:<54}{value:9.3f} ms  {value / base:6.2f}x{extra}")
+
+
+def shared_sentences(n: int) -> list[str]:
+    """Up to ``n`` distinct sentences of six words or more from the shared evaluation documents."""
+    data = Path(__file__).resolve().parents[2] / "shared" / "data"
+    texts = set()
+    for name in ["quality", "qmsum", "nq_leval", "qasper", "fairytaleqa"]:
+        with (data / f"{name}_docs.jsonl").open(encoding="utf-8") as lines:
+            for line in lines:
+                for sentence in re.split(r"(?<=[.!?])\s+|\n+", json.loads(line)["text"]):
+                    sentence = sentence.strip()
+                    if len(sentence.split()) >= 6:
+                        texts.add(sentence[:400])
+    ordered = sorted(texts)
+    pick = np.random.default_rng(0).permutation(len(ordered))[:n]
+    return [ordered[i] for i in pick]
+
+
+def real_vectors(n: int, cache: Path) -> np.ndarray:
+    """Real all-MiniLM-L6-v2 sentence vectors (embedded once, then read from ``cache``)."""
+    if not cache.exists():
+        from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
+
+        vectors = SentenceTransformerEmbedder(device="cpu").embed_documents(shared_sentences(n))
+        np.save(cache, np.asarray(vectors, dtype=np.float32))
+    vectors = np.load(cache)
+    return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+
+
+def real_recall(vectors: np.ndarray, n: int, held_out: int = 300) -> dict[str, float]:
+    """HNSW against exact search over real sentence vectors; held-out sentences as queries."""
+    data, queries = vectors[:-held_out], vectors[-held_out:]
+    ids = [str(i) for i in range(len(data))]
+    exact = NumpyIndex()
+    exact.add(ids, data)
+    start = time.perf_counter()
+    index = FaissHNSWIndex()
+    index.add(ids, data)
+    out = {"vectors": float(len(data)), "HNSW build s": time.perf_counter() - start}
+    out["recall@10"] = float(
+        np.mean(
+            [recall_at([i for i, _ in index.search(q, K)], exact.search(q, 4 * K)) for q in queries]
+        )
+    )
+    # The collapsed retriever asks a store for max(4k, 64) = 64 with a budget.
+    runs = {
+        "exact search, 64 results": lambda i: exact.search(queries[i % held_out], 64),
+        "HNSW search, 64 results": lambda i: index.search(queries[i % held_out], 64),
+    }
+    out.update(median_ms(runs, n))
     return out
 
 
@@ -224,6 +423,20 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
     parser.add_argument("--queries", type=int, default=50, help="timed queries per figure")
     parser.add_argument("--no-embed", action="store_true", help="skip the real query embedding")
+    parser.add_argument("--no-ann", action="store_true", help="skip FaissHNSWIndex")
+    parser.add_argument(
+        "--real",
+        type=int,
+        default=0,
+        help="also measure HNSW on this many real sentence vectors (embedded once: slow)",
+    )
+    parser.add_argument("--real-cache", default=None, help="where the --real vectors are kept")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also sweep HNSW and IVF settings (slow)"
+    )
+    parser.add_argument(
+        "--only-ann", action="store_true", help="skip the scoring options and collapsed queries"
+    )
     parser.add_argument(
         "--onnx-dir",
         default=None,
@@ -241,22 +454,58 @@ def main() -> None:
     )
     results: dict[str, dict[str, float]] = {}
 
-    tree = synthetic_tree(10_000, seed=0)
-    queries = synthetic_queries(tree, 64)
-    options = scoring_options(queries, np.asarray(tree.embeddings), args.queries)
-    results["scoring, 10k nodes"] = options
-    base = options["@ (BLAS default threads: before), alone"]
-    print("\n## scoring one query against 10k nodes (ratio: to `@` with default threads, alone)")
-    for name, ms in options.items():
-        print(f"{name:<54}{ms:9.3f} ms  {ms / base:6.2f}x")
+    if not args.only_ann:
+        tree = synthetic_tree(10_000, seed=0)
+        queries = synthetic_queries(tree, 64)
+        options = scoring_options(queries, np.asarray(tree.embeddings), args.queries)
+        results["scoring, 10k nodes"] = options
+        base = options["@ (BLAS default threads: before), alone"]
+        print(
+            "\n## scoring one query against 10k nodes (ratio: to `@` with default threads, alone)"
+        )
+        for name, ms in options.items():
+            print(f"{name:<54}{ms:9.3f} ms  {ms / base:6.2f}x")
 
-    for size in args.sizes:
-        row = collapsed(size, args.queries)
-        results[f"collapsed, {size} nodes"] = row
-        alone = row["alone"]
-        print(f"\n## collapsed query, {size:,} nodes, embedding excluded (ratio: to alone)")
-        for name, ms in row.items():
-            print(f"{name:<54}{ms:9.3f} ms  {ms / alone:6.2f}x")
+        for size in args.sizes:
+            row = collapsed(size, args.queries, ann=not args.no_ann)
+            results[f"collapsed, {size} nodes"] = row
+            alone = row["exact: alone"]
+            print(
+                f"\n## collapsed query, {size:,} nodes, embedding excluded "
+                f"(ratio: to exact search alone; {load_average()})"
+            )
+            for name, value in row.items():
+                if name.startswith("recall"):
+                    print(f"{name:<54}{value:9.4f}")
+                elif name.endswith(" s"):
+                    print(f"{name:<54}{value:9.2f} s   = {value * 1000 / alone:,.0f} exact queries")
+                else:
+                    print(f"{name:<54}{value:9.3f} ms  {value / alone:6.2f}x")
+
+    if args.sweep:
+        for size in args.sizes:
+            tree = synthetic_tree(size, seed=0)
+            row = sweep(np.asarray(tree.embeddings), synthetic_queries(tree, 200), args.queries)
+            results[f"sweep, {size} nodes"] = row
+            print_sweep(f"synthetic tree, {size:,} nodes", row)
+    if args.real:
+        cache = Path(args.real_cache or f"/tmp/raptor_query_load_sentences_{args.real}.npy")
+        vectors = real_vectors(args.real, cache)
+        if args.sweep:
+            row = sweep(vectors[:-300], vectors[-300:], args.queries)
+            results["sweep, real sentence vectors"] = row
+            print_sweep(f"{len(vectors) - 300:,} real sentence vectors", row)
+        row = real_recall(vectors, args.queries)
+        results["real sentence vectors"] = row
+        base = row["exact search, 64 results"]
+        print(
+            f"\n## {row['vectors']:,.0f} real sentence vectors (all-MiniLM-L6-v2, shared "
+            f"documents), HNSW defaults (ratio: to exact search)"
+        )
+        print(f"{'HNSW build s':<54}{row['HNSW build s']:9.2f} s")
+        print(f"{'recall@10':<54}{row['recall@10']:9.4f}")
+        for name in ("exact search, 64 results", "HNSW search, 64 results"):
+            print(f"{name:<54}{row[name]:9.3f} ms  {row[name] / base:6.2f}x")
 
     if not args.no_embed:
         from raptor_core.backends.onnx import default_onnx_dir, export_info

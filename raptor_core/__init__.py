@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from raptor_core._version import __version__
-from raptor_core.backends.faiss_index import FaissIndex
+from raptor_core.backends.faiss_index import FaissHNSWIndex, FaissIndex
 from raptor_core.backends.numpy_index import NumpyIndex
 from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
 from raptor_core.build.budget import LLMBudget, Pricing
@@ -97,6 +97,7 @@ __all__ = [
     "EmbeddingError",
     "EmbeddingResponseError",
     "ExtractiveSummarizer",
+    "FaissHNSWIndex",
     "FaissIndex",
     "FileNodeStore",
     "GMMClusterer",

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TypeVar, cast
 
 import numpy as np
 from numpy.typing import NDArray
 
+from raptor_core._threads import matvec
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 
-__all__ = ["RestrictCache", "check_add", "check_k", "check_query"]
+__all__ = ["RestrictCache", "check_add", "check_k", "check_query", "exact_top"]
+
+T = TypeVar("T")
 
 
 def check_k(k: object) -> int:
@@ -69,25 +73,82 @@ class RestrictCache:
 
     Retrievers pass the same frozenset object on every query, so the O(len) translation
     happens once; a different object (or a grown index) recomputes it.  Only immutable
-    collections (frozenset, tuple) are cached: a set may change between calls.
+    collections (frozenset, tuple) are cached: a set may change between calls.  An index
+    may keep one more object per entry (a FAISS id selector) with :meth:`extra`.
+
+    Concurrent searches may share the cache: each entry is one tuple, replaced whole, so a
+    reader sees one search's entry or another's, never a mix of two.
     """
 
     def __init__(self) -> None:
-        self._key: tuple[int, int] | None = None
-        self._ref: Collection[str] | None = None
-        self._positions: NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        # (restrict_to, (id, size), positions, extra); restrict_to is kept so that its id()
+        # cannot be reused by another object while cached.
+        self._entry: tuple[Collection[str], tuple[int, int], NDArray[np.int64], object] | None = (
+            None
+        )
+
+    def _cached(
+        self, restrict_to: Collection[str], known: Mapping[str, int]
+    ) -> tuple[Collection[str], tuple[int, int], NDArray[np.int64], object] | None:
+        entry = self._entry
+        if (
+            entry is not None
+            and entry[0] is restrict_to
+            and entry[1] == (id(restrict_to), len(known))
+        ):
+            return entry
+        return None
 
     def positions(
         self, restrict_to: Collection[str], known: Mapping[str, int]
     ) -> NDArray[np.int64]:
         """Sorted positions of the known ids of ``restrict_to`` (unknown ids are ignored)."""
-        key = (id(restrict_to), len(known))
-        if self._ref is restrict_to and self._key == key:
-            return self._positions
+        entry = self._cached(restrict_to, known)
+        if entry is not None:
+            return entry[2]
         found = [known[i] for i in restrict_to if i in known]
         positions = np.unique(np.asarray(found, dtype=np.int64))
-        if not isinstance(restrict_to, frozenset | tuple):
-            return positions
-        # Keep a reference so id() cannot be reused by another object while cached.
-        self._ref, self._key, self._positions = restrict_to, key, positions
+        if isinstance(restrict_to, frozenset | tuple):
+            self._entry = (restrict_to, (id(restrict_to), len(known)), positions, None)
         return positions
+
+    def extra(
+        self,
+        restrict_to: Collection[str],
+        known: Mapping[str, int],
+        positions: NDArray[np.int64],
+        make: Callable[[NDArray[np.int64]], T],
+    ) -> T:
+        """``make(positions)``, kept with the cached positions of ``restrict_to`` when cached."""
+        entry = self._cached(restrict_to, known)
+        if entry is not None and entry[3] is not None and entry[2] is positions:
+            return cast(T, entry[3])
+        made = make(positions)
+        if entry is not None and entry[2] is positions:
+            self._entry = (entry[0], entry[1], positions, made)
+        return made
+
+
+def exact_top(
+    matrix: NDArray[np.float32],
+    query: NDArray[np.float32],
+    k: int,
+    positions: NDArray[np.int64] | None = None,
+) -> tuple[NDArray[np.intp], NDArray[np.float32]]:
+    """Rows of the ``k`` best scores of ``matrix @ query`` (within ``positions``) and the scores.
+
+    Best first, equal scores by row.  A restricted product gathers the rows when they are few
+    and scores every row otherwise: multiplying all rows beats copying most of them.
+    """
+    from raptor_core.retrieval.base import top_rows
+
+    if positions is None:
+        scores = matvec(matrix, query)  # no BLAS thread pool (see raptor_core._threads)
+        best = top_rows(scores, min(k, scores.shape[0]))
+        return best, scores[best]
+    if positions.size * 4 >= matrix.shape[0]:
+        scores = matvec(matrix, query)[positions]
+    else:
+        scores = matvec(matrix[positions], query)
+    best = top_rows(scores, min(k, scores.shape[0]))
+    return positions[best].astype(np.intp), scores[best]

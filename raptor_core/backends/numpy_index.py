@@ -7,8 +7,13 @@ from collections.abc import Collection, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from raptor_core._threads import matvec
-from raptor_core.backends._vectors import RestrictCache, check_add, check_k, check_query
+from raptor_core.backends._vectors import (
+    RestrictCache,
+    check_add,
+    check_k,
+    check_query,
+    exact_top,
+)
 from raptor_core.tree import Tree
 from raptor_core.types import VectorIndex
 
@@ -19,8 +24,10 @@ class NumpyIndex:
     """A :class:`~raptor_core.types.VectorIndex` backed by a dense numpy matrix.
 
     Vectors are unit-normalised when added, so scores are cosine similarities.  Search is
-    exact and deterministic: equal scores are ordered by insertion.  For up to a few hundred
-    thousand vectors a matrix-vector product is as fast as any approximate index.
+    exact and deterministic: equal scores are ordered by insertion.  One query reads every
+    vector once (memory-bound: about 0.6 ms per 10k vectors of dimension 384 on a 2-core VM);
+    past about 100k vectors an approximate index
+    (:class:`~raptor_core.backends.faiss_index.FaissHNSWIndex`) answers ten times faster.
 
     Examples:
         >>> import numpy as np
@@ -55,6 +62,10 @@ class NumpyIndex:
     def dim(self) -> int | None:
         """Vector dimension (None until the first add)."""
         return self._dim
+
+    def empty(self) -> NumpyIndex:
+        """A new, empty index (how a store rebuilds its index after a delete)."""
+        return NumpyIndex()
 
     def add(self, ids: Sequence[str], vectors: NDArray[np.float32]) -> None:
         """Add vectors under unique string ids.
@@ -96,28 +107,18 @@ class NumpyIndex:
             k: number of results; fewer come back when fewer vectors qualify.
             restrict_to: search only these ids (unknown ids are ignored).
         """
-        from raptor_core.retrieval.base import top_rows
-
         k = check_k(k)
         if not self._ids:
             return []
         q = check_query(query, self._dim or 0)
-        matrix = self._full()
-        if restrict_to is None:
-            scores = matvec(matrix, q)  # no BLAS thread pool (see raptor_core._threads)
-            best = top_rows(scores, min(k, scores.shape[0]))
-            return [(self._ids[int(i)], float(scores[i])) for i in best]
-        positions = self._restrict.positions(restrict_to, self._pos)
-        if positions.size == 0:
-            return []
-        if positions.size * 4 >= matrix.shape[0]:
-            scores = matvec(matrix, q)[
-                positions
-            ]  # a product over all rows beats copying most of them
-        else:
-            scores = matvec(matrix[positions], q)
-        best = top_rows(scores, min(k, scores.shape[0]))
-        return [(self._ids[int(positions[i])], float(scores[i])) for i in best]
+        positions = None
+        if restrict_to is not None:
+            positions = self._restrict.positions(restrict_to, self._pos)
+            if positions.size == 0:
+                return []
+        rows, scores = exact_top(self._full(), q, k, positions)
+        ids = self._ids
+        return list(zip([ids[r] for r in rows.tolist()], scores.tolist(), strict=True))
 
 
 def _add_tree(index: VectorIndex, tree: Tree, layers: Collection[int] | None) -> None:

@@ -12,7 +12,7 @@ import inspect
 import logging
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,6 +34,7 @@ __all__ = [
     "check_layers",
     "check_similarity",
     "fill_budget",
+    "fill_ranked",
     "normalize_query",
     "selection_path",
     "similarity_score",
@@ -152,14 +153,54 @@ def fill_budget(
     return taken
 
 
+def fill_ranked(
+    fetch: Callable[[int], tuple[Sequence[float], NDArray[np.int64]]],
+    *,
+    k: int,
+    max_tokens: int | None,
+    min_score: float | None = None,
+) -> list[int]:
+    """Fill ``k`` hits within ``max_tokens`` from a ranking fetched a prefix at a time.
+
+    ``fetch(m)`` returns the scores and token counts of the best ``m`` candidates (fewer when
+    there are no more), best first.  The first prefix is ``max(4k, 64)`` long (``k`` without a
+    budget, when the first ``k`` are the answer) and grows fourfold while nodes too long for
+    the remaining budget had to be skipped and more may follow.  Returns the positions taken
+    in the last prefix fetched, in rank order.
+    """
+    m = k if max_tokens is None else max(4 * k, 64)
+    while True:
+        scores, tokens = fetch(m)
+        exhausted = len(scores) < m
+        ranked: Sequence[int] | range = range(len(scores))
+        if min_score is not None:
+            ranked = [i for i, score in enumerate(scores) if score >= min_score]
+            exhausted = exhausted or len(ranked) < len(scores)  # ranked: nothing further passes
+        taken = fill_budget(ranked, tokens, k=k, max_tokens=max_tokens)
+        full = max_tokens is not None and int(tokens[taken].sum()) >= max_tokens
+        if len(taken) >= k or full or exhausted:
+            return taken
+        m *= 4
+
+
 def top_rows(scores: NDArray[np.float32], m: int) -> NDArray[np.intp]:
-    """Indices of the ``m`` highest scores, best first (ties broken by index, for determinism)."""
+    """Indices of the ``m`` highest scores, best first, equal scores by index.
+
+    Always a prefix of the full ranking, whatever ``m``: rows tied with the ``m``-th score are
+    taken lowest index first.
+    """
     n = scores.shape[0]
     if m >= n:
         return np.lexsort((np.arange(n), -scores)).astype(np.intp)
-    part = np.argpartition(-scores, m - 1)[:m]
-    order = np.lexsort((part, -scores[part]))
-    return part[order].astype(np.intp)
+    # One partition for the m-th score, one pass for the rows at or above it (in index
+    # order), then a stable sort of those few: cheaper than argpartition and lexsort.
+    kth = np.partition(scores, n - m)[n - m]
+    rows = np.flatnonzero(scores >= kth)
+    if rows.size > m:
+        top = scores[rows]
+        tied = np.flatnonzero(top == kth)[: m - int(np.count_nonzero(top > kth))]
+        rows = np.sort(np.concatenate([rows[top > kth], rows[tied]]))
+    return rows[np.argsort(-scores[rows], kind="stable")].astype(np.intp, copy=False)
 
 
 class TreeRetriever(ABC):

@@ -31,6 +31,7 @@ __all__ = ["InMemoryNodeStore"]
 # Rows scored one by one instead of through the whole matrix when a filter names fewer than
 # this share of them: gathering a few rows is cheaper than multiplying all of them.
 _GATHER_SHARE = 0.25
+_NO_FILTER = NodeFilter()
 
 
 class InMemoryNodeStore:
@@ -64,7 +65,7 @@ class InMemoryNodeStore:
         self._carried = np.zeros(0, dtype=np.bool_)
         self._alive = np.zeros(0, dtype=np.bool_)
         self._dead = 0
-        self._masks: dict[Any, NDArray[np.bool_]] = {}
+        self._masks: dict[Any, NDArray[np.bool_] | None] = {}
         self._id_sets: dict[Any, frozenset[str]] = {}
 
     @classmethod
@@ -169,8 +170,10 @@ class InMemoryNodeStore:
         self._alive[rows] = False
         self._dead += len(rows)
         if self.index is not None:
-            # VectorIndex has no delete: rebuild it from the live rows.
-            self.index = type(self.index)()
+            # VectorIndex has no delete: rebuild it from the live rows, with the index's own
+            # settings when it can make an empty copy of itself (the bundled ones can).
+            empty = getattr(self.index, "empty", None)
+            self.index = empty() if callable(empty) else type(self.index)()
             live = np.flatnonzero(self._alive)
             if live.size:
                 self.index.add([self._nodes[r].id for r in live], self._full()[live])  # type: ignore[union-attr]
@@ -264,21 +267,60 @@ class InMemoryNodeStore:
             InvalidParameterError: ``k`` is not a positive integer, ``where`` is malformed.
             InvalidInputError: the vector's dimension is not the store's.
         """
+        rows, scores = self._ranked(vector, k, where)
+        nodes = self._nodes
+        return [Match(nodes[r], s) for r, s in zip(rows, scores, strict=True)]  # type: ignore[arg-type]
+
+    def search_within_budget(
+        self,
+        vector: NDArray[np.float32],
+        k: int,
+        *,
+        max_tokens: int | None,
+        where: NodeFilter | None = None,
+        min_score: float | None = None,
+    ) -> list[Match]:
+        """What :func:`~raptor_core.retrieval.collapsed.ranked_within_budget` returns.
+
+        The same matches, found the same way, but the nodes skipped for the budget are
+        never turned into :class:`Match` objects: their token counts are read from an array.
+
+        Raises:
+            InvalidParameterError, InvalidInputError: as :meth:`search`.
+        """
+        from raptor_core.retrieval.base import fill_ranked
+
+        found: tuple[list[int], list[float]] = ([], [])
+
+        def fetch(m: int) -> tuple[list[float], NDArray[np.int64]]:
+            nonlocal found
+            found = self._ranked(vector, m, where)
+            return found[1], self._tokens[found[0]]
+
+        taken = fill_ranked(fetch, k=k, max_tokens=max_tokens, min_score=min_score)
+        rows, scores = found
+        nodes = self._nodes
+        return [Match(nodes[rows[i]], scores[i]) for i in taken]  # type: ignore[arg-type]
+
+    def _ranked(
+        self, vector: NDArray[np.float32], k: int, where: NodeFilter | None
+    ) -> tuple[list[int], list[float]]:
+        """Rows and scores of the ``k`` best matches, best first (the work of :meth:`search`)."""
         from raptor_core.retrieval.base import top_rows
 
         if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
             msg = f"k must be a positive integer, got {k!r}"
             raise InvalidParameterError(msg)
         if not self._row:
-            return []
+            return [], []
         q = np.asarray(vector, dtype=np.float32).reshape(-1)
         if q.shape[0] != self.dim:
             msg = f"query vector has dimension {q.shape[0]} but the store holds {self.dim}"
             raise InvalidInputError(msg)
-        where = where if where is not None else NodeFilter()
+        where = where if where is not None else _NO_FILTER
         rows = self._candidate_rows(where)
         if rows is not None and rows.size == 0:
-            return []
+            return [], []
         if self.index is not None:
             return self._search_index(q, int(k), where, rows)
         matrix = self._full()
@@ -291,14 +333,12 @@ class InMemoryNodeStore:
             scores = matvec(matrix, q)[rows]
         best = top_rows(scores, min(int(k), scores.shape[0]))
         positions = best if rows is None else rows[best]
-        return [
-            Match(self._nodes[int(r)], float(s))  # type: ignore[arg-type]
-            for r, s in zip(positions, scores[best], strict=True)
-        ]
+        # tolist(): Python ints and floats in one call, not one numpy scalar per match.
+        return positions.tolist(), scores[best].tolist()
 
     def _search_index(
         self, q: NDArray[np.float32], k: int, where: NodeFilter, rows: NDArray[np.intp] | None
-    ) -> list[Match]:
+    ) -> tuple[list[int], list[float]]:
         assert self.index is not None
         restrict = None
         if rows is not None:
@@ -318,14 +358,16 @@ class InMemoryNodeStore:
                 "NumpyIndex.from_tree(tree) or FaissIndex.from_tree(tree))"
             )
             raise InvalidParameterError(msg)
-        stranger = next((i for i, _ in pairs if i not in self._row), None)
-        if stranger is not None:
+        known = self._row
+        found = [known.get(i, -1) for i, _ in pairs]
+        if -1 in found:
+            stranger = pairs[found.index(-1)][0]
             msg = (
                 f"the vector index returned id {stranger!r}, which is not in the tree: "
                 "build the index from this tree"
             )
             raise InvalidParameterError(msg)
-        return [Match(self._nodes[self._row[i]], s) for i, s in pairs]  # type: ignore[arg-type]
+        return found, [s for _, s in pairs]
 
     def _candidate_rows(self, where: NodeFilter) -> NDArray[np.intp] | None:
         """Rows that may match (None: every row), live rows only, sorted."""
@@ -351,7 +393,7 @@ class InMemoryNodeStore:
         """The boolean row mask of the cacheable parts of ``where`` (None: all rows pass)."""
         key = _filter_key(where)
         if key is not None and key in self._masks:
-            return self._masks[key]
+            return self._masks[key]  # None too: a filter every row passes
         parts: list[NDArray[np.bool_]] = []
         if self._dead:
             parts.append(self._alive)
@@ -376,8 +418,9 @@ class InMemoryNodeStore:
             mask = parts[0].copy() if len(parts) == 1 else np.logical_and.reduce(parts)
             if mask.all():
                 mask = None
-        if key is not None and mask is not None:
+        if mask is not None:
             mask.flags.writeable = False
+        if key is not None:
             self._masks[key] = mask
         return mask
 

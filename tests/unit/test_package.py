@@ -34,6 +34,7 @@ EXPECTED_ALL = {
     "EmbeddingResponseError",
     "Embedder",
     "ExtractiveSummarizer",
+    "FaissHNSWIndex",
     "FaissIndex",
     "FileNodeStore",
     "GMMClusterer",

@@ -130,3 +130,44 @@ def test_retrievers_filter_by_metadata_on_a_tree() -> None:
     assert hits and all(h.node.doc_ids == ("rockets",) for h in hits)
     with pytest.raises(InvalidParameterError):
         CollapsedTreeRetriever(tree, FakeEmbedder(dim=tree.dim), where={"$bad": 1}).retrieve("x")
+
+
+class _SearchOnly:
+    """A store seen only through NodeStore.search: ranked_within_budget's general path."""
+
+    def __init__(self, store: InMemoryNodeStore) -> None:
+        self.inner = store
+
+    def search(self, vector, k, *, where=None):
+        return self.inner.search(vector, k, where=where)
+
+
+@pytest.mark.parametrize("index", [None, FaissIndex])
+@pytest.mark.parametrize(
+    ("k", "max_tokens", "min_score", "layers"),
+    [
+        (10, 2000, None, None),
+        (10, None, None, None),
+        (40, 300, None, None),  # the budget ends the filling before k
+        (200, 5000, None, None),
+        (10, 2000, 0.2, None),
+        (5, 120, None, frozenset({0})),
+        (8, 2000, -0.1, frozenset({1, 2})),
+    ],
+)
+def test_budget_fast_path_matches_the_general_one(index, k, max_tokens, min_score, layers) -> None:
+    from raptor_core.retrieval.collapsed import ranked_within_budget
+
+    tree = random_tree(400, fanout=5, dim=16, tokens=60, random_state=3)
+    store = InMemoryNodeStore.from_tree(tree, index=None if index is None else index())
+    where = NodeFilter(layers=layers)
+    for q in np.random.default_rng(1).standard_normal((6, 16)).astype(np.float32):
+        q /= np.linalg.norm(q)
+        fast = ranked_within_budget(
+            store, q, where, k=k, max_tokens=max_tokens, min_score=min_score
+        )
+        general = ranked_within_budget(
+            _SearchOnly(store), q, where, k=k, max_tokens=max_tokens, min_score=min_score
+        )
+        assert [(m.node.id, m.score) for m in fast] == [(m.node.id, m.score) for m in general]
+        assert fast  # the case is not vacuous
