@@ -7,8 +7,10 @@ are neighbours, and its node texts support a lexical index.  Evidence that a rea
 and rarely aligned with chunk boundaries, so a chunk next to a strong hit is often worth
 more than the next fragment elsewhere.  This strategy:
 
-1. ranks the leaves as *seeds*, best first, by their strongest signal relative to that
+1. ranks a pool of leaves as *seeds*, best first, by their strongest signal relative to that
    signal's best leaf: ``max(cosine / best cosine, BM25 / best BM25)`` (:func:`seed_strength`);
+   the pool is the ``m`` best leaves by cosine and the ``m`` best by BM25, a few times what
+   the budget holds, so a store is searched once whatever its size;
 2. grows each seed into a passage with up to ``window`` adjacent leaves on each side, as
    long as each added leaf is itself relevant: within the ``rank_factor * K`` best leaves
    by cosine similarity **or** by BM25, where ``K`` is the number of leaves the budget holds
@@ -247,10 +249,8 @@ class _Ranking:
     cosine: NDArray[np.float32]  # (n_leaves,) cosine of fetched leaves, NaN elsewhere
     relevant: NDArray[np.bool_]  # (n_leaves,) leaves a passage may grow into
     strength: NDArray[np.float64]  # (n_leaves,) seed strength of fetched leaves
-    seeds: NDArray[np.intp]  # fetched leaves, strongest first
+    seeds: NDArray[np.intp]  # the seed pool, strongest first
     position: NDArray[np.intp]  # (n_leaves,) place of each leaf among the seeds
-    bound: float  # no leaf left out has a strength above this
-    everything: bool  # every leaf that passes the filters was fetched
 
 
 class _Selection:
@@ -478,18 +478,17 @@ class PassageRetriever(TreeRetriever):
         tokenizer = self.budget_tokenizer
         if tokenizer is None:
             tokenizer = tree_tokenizer(self.tree)
-        # The store is asked for the best ``m`` leaves only; seeds are taken while they are
-        # provably in the order a ranking of every leaf would give, and ``m`` grows when the
-        # budget is not full by then (so any store gives the in-memory answer).
-        m = max(depth, 2 * math.ceil(fits), 16)
+        # Seeds come from a pool of the ``m`` best leaves by cosine and the ``m`` best by
+        # BM25, a few times what the budget holds: one search of the store, whatever its
+        # size, and the same pool (so the same answer) from every store.  Ranking every leaf
+        # instead only mattered when the pool ran out before the budget was full, and cost a
+        # full scan of a vector store on every such query (a budget left a few tokens short
+        # of any leaf, when leaves are never cut, ran out every pool).
+        m = min(max(depth, 2 * math.ceil(fits), 16), n)
         cap = None if max_tokens is None else float(self.max_share) * max_tokens
-        while True:
-            ranked = self._rank(leaves, vector, lexical, depth, min(m, n))
-            selection = _Selection(tokens, order, max_tokens, k, allow_cut=tokenizer is not None)
-            complete = self._select(selection, ranked, order, tokens, cap)
-            if complete or ranked.everything:
-                break
-            m *= 4
+        ranked = self._rank(leaves, vector, lexical, depth, m)
+        selection = _Selection(tokens, order, max_tokens, k, allow_cut=tokenizer is not None)
+        self._select(selection, ranked, order, tokens, cap)
         passages = self._passages(selection, ranked.position, leaves.nodes, tokenizer, max_tokens)
         return [self._hit(p, ranked.cosine, leaves.nodes, depth) for p in passages]
 
@@ -501,7 +500,10 @@ class PassageRetriever(TreeRetriever):
         depth: int,
         m: int,
     ) -> _Ranking:
-        """Seed candidates among the ``m`` best leaves by cosine and the best by BM25."""
+        """The seed pool: the ``m`` best leaves by cosine and the ``m`` best by BM25.
+
+        ``relevant`` marks the ``depth`` best of each, the leaves a passage may grow into.
+        """
         n = len(leaves.nodes)
         store = self.store
         cosine = np.full(n, np.nan, dtype=np.float32)  # (n_leaves,): NaN = not fetched
@@ -512,32 +514,23 @@ class PassageRetriever(TreeRetriever):
             if at is not None:
                 cosine[at] = match.score
         everything = len(dense) < m or m >= n  # every leaf that passes the filters is known
-        # The cosine the next, unfetched leaf can have at most.
-        dense_floor = -np.inf if everything or not dense else dense[-1].score
         dense_order = [leaves.ordinal[x.node.id] for x in dense if x.node.id in leaves.ordinal]
         relevant = np.zeros(n, dtype=bool)
         relevant[dense_order[:depth]] = True
-        lexical_floor = 0.0
+        pool = np.zeros(n, dtype=bool)
+        pool[dense_order[:m]] = True
         if lexical is not None:
-            lexical_order, lexical_floor = self._lexical_candidates(
-                leaves, vector, lexical, cosine, depth, everything
+            lexical_order = self._lexical_candidates(
+                leaves, vector, lexical, cosine, max(depth, m), everything
             )
-            relevant[lexical_order] = True
+            relevant[lexical_order[:depth]] = True
+            pool[lexical_order[:m]] = True
         known = ~np.isnan(cosine)
         # Every fetched leaf passes the filters: its BM25 counts towards its strength.
         lexical_scores = np.where(known, lexical, 0.0) if lexical is not None else None
         cos = np.where(known, cosine, 0.0).astype(np.float32)
-        best_cos = max(0.0, float(np.nanmax(cosine))) if known.any() else 0.0
-        best_lex = float(lexical_scores.max()) if lexical_scores is not None else 0.0
         strength = seed_strength(cos, lexical_scores)
-        # No leaf left out can be stronger than this (its cosine and BM25 are bounded).
-        bound = 0.0
-        if not everything:
-            bound = max(
-                max(0.0, float(dense_floor)) / best_cos if best_cos > 0 else 0.0,
-                lexical_floor / best_lex if best_lex > 0 else 0.0,
-            )
-        candidates = np.flatnonzero(known)
+        candidates = np.flatnonzero(pool & known)
         dense_rank = np.where(known, cosine, -np.inf)
         seeds = candidates[np.lexsort((candidates, -dense_rank[candidates], -strength[candidates]))]
         position = np.full(n, n, dtype=np.intp)
@@ -548,8 +541,6 @@ class PassageRetriever(TreeRetriever):
             strength=strength,
             seeds=seeds,
             position=position,
-            bound=bound,
-            everything=everything,
         )
 
     def _lexical_candidates(
@@ -560,12 +551,11 @@ class PassageRetriever(TreeRetriever):
         cosine: NDArray[np.float32],
         depth: int,
         everything: bool,
-    ) -> tuple[NDArray[np.intp], float]:
-        """The ``depth`` best leaves by BM25 that pass the filters, and the next BM25 score.
+    ) -> NDArray[np.intp]:
+        """The ``depth`` best leaves by BM25 (> 0) that pass the filters, best first.
 
         Their cosines are fetched from the store (one search restricted to their ids), which
-        also tells which of them pass the user's filters.  Returns the ordinals, best first,
-        and an upper bound on the BM25 score of any leaf left out.
+        also tells which of them pass the user's filters.
         """
         ranked = top_rows(lexical, lexical.shape[0])
         ranked = ranked[lexical[ranked] > 0]
@@ -584,9 +574,7 @@ class PassageRetriever(TreeRetriever):
                         cosine[at] = match.score
             # Fetched (or known to pass when every passing leaf is known): a candidate.
             chosen.extend(int(i) for i in batch if not np.isnan(cosine[i]))
-        # Leaves past ``offset`` were not looked at: none scores above the next one.
-        floor = float(lexical[ranked[offset]]) if offset < ranked.shape[0] else 0.0
-        return np.asarray(chosen[:depth], dtype=np.intp), floor
+        return np.asarray(chosen[:depth], dtype=np.intp)
 
     def _select(
         self,
@@ -595,19 +583,16 @@ class PassageRetriever(TreeRetriever):
         order: _LeafOrder,
         tokens: NDArray[np.int64],
         cap: float | None,
-    ) -> bool:
-        """Grow seeds into the selection; False when a seed's place in the order is unsure."""
+    ) -> None:
+        """Grow the pool's seeds into the selection, strongest first, until it is done."""
         for seed in ranked.seeds.tolist():
             if selection.done:
-                return True
-            if not ranked.everything and ranked.strength[seed] <= ranked.bound:
-                return False  # a leaf that was not fetched could come first: fetch more
+                return
             if selection.taken[seed]:
                 continue
             if self.min_score is not None and ranked.cosine[seed] < self.min_score:
                 continue
             selection.add(self._grow(seed, ranked, order, selection.taken, tokens, cap))
-        return selection.done or ranked.everything
 
     def _grow(
         self,

@@ -325,3 +325,41 @@ def test_the_last_of_k_passages_still_grows() -> None:
     tree = _five_leaves({"A": 0.1, "B": 0.6, "C": 1.0, "D": 0.8, "E": 0.1})
     assert _passage_leaves(tree, k=1) == [("C", "D")]
     assert _passage_leaves(tree, k=1, max_share=1.0) == [("A", "B", "C", "D")]
+
+
+class CountingStore(InMemoryNodeStore):
+    """An in-memory store that records how many results each search asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[tuple[int, bool]] = []  # (k, restricted to ids)
+
+    def search(self, vector, k, *, where=None):  # type: ignore[no-untyped-def]
+        self.asked.append((k, where is not None and where.ids is not None))
+        return super().search(vector, k, where=where)
+
+
+def test_one_search_of_the_store_whatever_its_size() -> None:
+    # 2,000 leaves of 10 words and a budget no run of whole leaves fills exactly: a store
+    # that knows no tokenizer never cuts a leaf, so a few tokens are always left over.  The
+    # seeds come from a pool of the best leaves by cosine and by BM25, fetched in one
+    # search; ranking every leaf to look for one short enough to fill the gap used to widen
+    # the search until it read the whole store, on every query.
+    sentences = [f"Item {i} tells of honey and bees in hive {i % 37}." for i in range(2000)]
+    builder = TreeBuilder(
+        FakeEmbedder(32),
+        EchoSummarizer(),
+        tokenizer=WhitespaceTokenizer(),
+        chunk_max_tokens=10,
+        max_layers=0,
+    )
+    tree = builder.build([{"doc_id": "big", "text": " ".join(sentences)}])
+    leaves = len(tree.leaves)
+    assert leaves > 1500
+    store = CountingStore()
+    store.add(list(tree.nodes), tree.embeddings)  # no params: whole leaves only
+    hits = PassageRetriever(store, FakeEmbedder(32), k=100).retrieve("honey bees", max_tokens=45)
+    used = sum(h.node.token_count for h in hits)
+    assert hits and used <= 45
+    dense = [k for k, restricted in store.asked if not restricted]
+    assert len(dense) == 1 and dense[0] < leaves / 10
