@@ -53,7 +53,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -106,6 +108,9 @@ _SLACK = 8
 # those ids exactly instead of running a filtered search, which Chroma answers by scanning
 # the whole collection.
 _SMALL_LAYER = 2000
+# A layer filter keeping at least this share of the nodes is checked in Python rather than
+# sent to a store that scans for every filter (``_unpushed_share``).
+_UNPUSHED_SHARE = 0.5
 
 
 # -- node <-> document -------------------------------------------------------------------------
@@ -651,8 +656,28 @@ class LangChainNodeStore:
         if ids is not None and (where.native is None or self.dialect.fetch_filters):
             found = self._search_ids(q, int(k), sorted(ids), pushdown, where.native)
         else:
-            found = self._search_store(q, int(k), pushdown, where.native)
+            share = self._unpushed_share(where) if ids is None else None
+            found = self._search_store(q, int(k), pushdown, where.native, share)
         return found
+
+    def _unpushed_share(self, where: NodeFilter) -> float | None:
+        """The share of the nodes a layer-only filter keeps, when it should stay in Python.
+
+        A dialect whose store scans the whole collection for any filter (``where_scans``:
+        Chroma) pays that scan on every query; when the layers asked for hold at least half
+        of the nodes (the leaves: 85% of a tree), an unfiltered search for a few times
+        ``k / share`` results, checked here, finds the same ``k`` without it.  None: push the filter down.
+        """
+        if not getattr(self.dialect, "where_scans", False) or where.layers is None:
+            return None
+        if where.doc_ids is not None or where.where is not None or where.native is not None:
+            return None
+        sizes = self._trusted_sizes()
+        if not sizes:
+            return None
+        kept = sum(sizes[layer] for layer in where.layers if 0 <= layer < len(sizes))
+        share = kept / sum(sizes)
+        return share if share >= _UNPUSHED_SHARE else None
 
     def _small_layer_ids(self, layers: frozenset[int]) -> frozenset[str] | None:
         """The ids of ``layers`` when the dialect lists them and each layer is small."""
@@ -660,7 +685,10 @@ class LangChainNodeStore:
         if lister is None:
             return None
         ids: set[str] = set()
+        sizes = self._trusted_sizes()
         for layer in layers:
+            if sizes is not None and 0 <= layer < len(sizes) and sizes[layer] > _SMALL_LAYER:
+                return None  # known to be large: listing it would scan the collection
             if layer not in self._layer_cache:
                 self._layer_cache[layer] = lister(layer, _SMALL_LAYER)
             known = self._layer_cache[layer]
@@ -743,12 +771,26 @@ class LangChainNodeStore:
         return self._rank(self._score(q, rows, pushdown), k)
 
     def _search_store(
-        self, q: NDArray[np.float32], k: int, pushdown: Pushdown, native: Any
+        self,
+        q: NDArray[np.float32],
+        k: int,
+        pushdown: Pushdown,
+        native: Any,
+        share: float | None = None,
     ) -> list[Match]:
-        """Search the store; widen the search while the checks in Python drop too many."""
-        ours, exact = self.dialect.translate(pushdown)
+        """Search the store; widen the search while the checks in Python drop too many.
+
+        ``share``: the layer filter stays out of the store's query (see
+        ``_unpushed_share``), and about ``2 k / share`` results are asked for.
+        """
+        translated = pushdown if share is None else replace(pushdown, layers=None)
+        ours, exact = self.dialect.translate(translated)
         native_filter = self.dialect.conjoin(ours, native)
-        m = k if exact else k + _SLACK
+        m = k if exact and share is None else k + _SLACK
+        if share is not None:
+            # Twice the share's worth: summaries rank above their share (a summary is near
+            # every query its children are near), and each widening costs a query.
+            m = math.ceil(2 * k / share) + _SLACK
         while True:
             rows = self.dialect.query(q, m, native=native_filter)
             scored = self._score(q, rows, pushdown)

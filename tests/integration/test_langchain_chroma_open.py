@@ -184,3 +184,43 @@ def test_a_store_written_before_sizes_were_recorded_still_opens(
     reopened, recorder = _reopened(chroma_path, monkeypatch)
     assert (reopened.top_layer, len(reopened)) == (tree.top_layer, len(tree))
     assert recorder.filtered  # the old way: probing
+
+
+def test_leaf_searches_send_no_filter_when_leaves_are_most_of_the_tree(
+    chroma_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The default strategy (passage) and a leaves-only collapsed search ask for layer 0.
+    # Sent to Chroma as a `where`, that filter is a scan of the whole collection on every
+    # query (2.8 s at 1M nodes); the leaves hold most of the nodes, so the store asks
+    # without it for a few times more results and keeps the leaves itself.
+    from raptor_core import CollapsedTreeRetriever, PassageRetriever
+
+    tree = store_tree(DIM)
+    assert len(tree.leaves) >= len(tree) / 2
+    # As if every layer were too large to list its ids once (a tree of thousands of leaves).
+    monkeypatch.setattr("raptor_langchain.store._SMALL_LAYER", 0)
+    embedder = FakeEmbedder(dim=DIM)
+    store, recorder = _reopened(chroma_path, monkeypatch)
+    for leaf in tree.leaves[:4]:
+        query = leaf.text
+        for make in (
+            lambda t: PassageRetriever(t, embedder, max_tokens=60),
+            lambda t: CollapsedTreeRetriever(t, embedder, k=3, layers=[0]),
+        ):
+            on_chroma = make(store).retrieve(query)
+            on_tree = make(tree).retrieve(query)
+            assert on_chroma
+            assert [(h.id, h.node.text) for h in on_chroma] == [
+                (h.id, h.node.text) for h in on_tree
+            ]
+    assert recorder.filtered == []
+    # A filter that keeps a minority of the nodes is still sent: one scan beats fetching
+    # most of the collection to find a few of them.
+    top = CollapsedTreeRetriever(store, embedder, k=1, layers=[tree.top_layer])
+    assert [h.id for h in top.retrieve(tree.leaves[0].text)] == [
+        h.id
+        for h in CollapsedTreeRetriever(tree, embedder, k=1, layers=[tree.top_layer]).retrieve(
+            tree.leaves[0].text
+        )
+    ]
+    assert recorder.filtered == [("query", {"raptor_layer": {"$in": [tree.top_layer]}})]

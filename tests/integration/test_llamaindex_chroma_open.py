@@ -121,3 +121,42 @@ def test_stale_sizes_make_the_store_probe(persisted: Path, monkeypatch: pytest.M
     stale = LlamaIndexNodeStore(vector_store, layer_sizes=[0] * 9 + [1])
     assert stale.top_layer == top
     assert recorder.filtered  # probed layer by layer
+
+
+def test_leaf_searches_send_no_filter_when_leaves_are_most_of_the_tree(
+    persisted: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The default strategy (passage) searches layer 0. Sent to Chroma, that filter is a scan
+    # of the whole collection on every query (2.8 s at 1M nodes); the leaves hold most of
+    # the nodes, so the store asks without it for a few times more results and keeps the
+    # leaves itself.
+    from raptor_core import CollapsedTreeRetriever, PassageRetriever
+
+    loaded, recorder = _load(persisted, monkeypatch)
+    sizes = loaded.store.layer_sizes
+    assert sizes is not None and sizes[0] >= sum(sizes) / 2
+    queries = ["Why do bees dance?", "What do rivers carve?", "stars"]
+    on_chroma = [
+        [
+            [(h.id, h.node.text) for h in make(loaded.store).retrieve(q)]
+            for make in (
+                lambda t: PassageRetriever(t, FakeEmbedder(), max_tokens=80),
+                lambda t: CollapsedTreeRetriever(t, FakeEmbedder(), k=3, layers=[0]),
+            )
+        ]
+        for q in queries
+    ]
+    assert all(on_chroma)
+    assert recorder.filtered == []
+    tree = loaded.tree
+    on_tree = [
+        [
+            [(h.id, h.node.text) for h in make(tree).retrieve(q)]
+            for make in (
+                lambda t: PassageRetriever(t, FakeEmbedder(), max_tokens=80),
+                lambda t: CollapsedTreeRetriever(t, FakeEmbedder(), k=3, layers=[0]),
+            )
+        ]
+        for q in queries
+    ]
+    assert on_chroma == on_tree
