@@ -51,6 +51,9 @@ __all__ = [
 
 #: Nodes per request when reading or writing in pages.
 BATCH = 1000
+#: Records per page when reading a whole Chroma collection: a page costs a fixed 0.2-0.4 s
+#: at 1M nodes, so pages of 5,000 read it in about a third of the time of pages of 1,000.
+READ_PAGE = 5000
 #: ``ChromaBackend.query`` answers this many results or more by an exact scan (see there).
 EXACT_QUERY_FROM = 10_000
 
@@ -353,13 +356,18 @@ class ChromaBackend(GenericBackend):
         return [(found[i], score) for i, score in nearest_rows(q, np.stack(vectors), found, m)]
 
     def _pages(self, include: list[str]) -> Iterator[Mapping[str, Any]]:
+        # Reads in pages of READ_PAGE: each `get` costs a fixed 0.2-0.4 s at 1M nodes.
         offset = 0
         while True:
-            got = self.collection.get(limit=BATCH, offset=offset, include=include)
+            got = self.collection.get(limit=READ_PAGE, offset=offset, include=include)
             yield got
-            if len(got["ids"]) < BATCH:
+            if len(got["ids"]) < READ_PAGE:
                 return
-            offset += BATCH
+            offset += READ_PAGE
+
+    def layer_ids(self, layer: int) -> frozenset[str]:
+        """The ids of one layer (one filtered read: the caller caches it)."""
+        return frozenset(self.collection.get(where={"raptor_layer": layer}, include=[])["ids"])
 
     def fetch(self, ids: Sequence[str]) -> list[Row]:
         rows: list[Row] = []

@@ -112,6 +112,9 @@ _SLACK = 8
 # A layer filter keeping at least this share of the nodes is checked in Python rather than
 # sent to a backend whose filters scan the collection (``_unpushed_share``).
 _UNPUSHED_SHARE = 0.5
+# A layer of at most this many nodes (by the recorded sizes) has its ids listed once and
+# cached, so searches of it score those ids exactly instead of sending a filter.
+_SMALL_LAYER = 2000
 
 
 # -- node <-> TextNode -------------------------------------------------------------------------
@@ -363,6 +366,7 @@ class LlamaIndexNodeStore:
             sizes = checked
         self._sizes: list[int] | None = sizes
         self._top = None
+        self._layer_ids: dict[int, frozenset[str]] = {}
 
     def __repr__(self) -> str:
         return f"LlamaIndexNodeStore({type(self.vector_store).__name__})"
@@ -381,6 +385,7 @@ class LlamaIndexNodeStore:
         """Forget cached facts (dimension, size, top layer); call it after others wrote."""
         self._dim = self._top = self._count = None
         self._sizes = None
+        self._layer_ids = {}
 
     def __iter__(self) -> Iterator[Node]:
         for node in self.backend.scan():
@@ -539,11 +544,35 @@ class LlamaIndexNodeStore:
             ids = children if ids is None else ids & children
         if ids is not None and not ids:
             return []
+        if ids is None and where.layers is not None:
+            ids = self._small_layer_ids(where.layers)
         accepts = self._accepts(where, ids)
         if ids is not None and self.backend.has_vectors:
             # A known set of ids (a traversal step): score them exactly, no ANN search.
             return self._rank(self._score(q, self._rows(sorted(ids)), accepts, {}), int(k))
         return self._search_store(q, int(k), where, ids, accepts)
+
+    def _small_layer_ids(self, layers: frozenset[int]) -> frozenset[str] | None:
+        """The ids of ``layers`` when each is known to be small, listed once and cached.
+
+        On a backend whose filters scan the collection, a search of a small layer (a
+        traversal's first step: the top layer) would pay that scan on every query; listing
+        the layer's ids pays it once, and the search then scores those ids exactly.
+        """
+        lister = getattr(self.backend, "layer_ids", None)
+        sizes = self._sizes
+        if lister is None or not self.backend.scanning_filters or not sizes:
+            return None
+        if not self.backend.cheap_count or sum(sizes) != len(self):
+            return None
+        if any(not 0 <= layer < len(sizes) or sizes[layer] > _SMALL_LAYER for layer in layers):
+            return None
+        ids: set[str] = set()
+        for layer in layers:
+            if layer not in self._layer_ids:
+                self._layer_ids[layer] = lister(layer)
+            ids |= self._layer_ids[layer]
+        return frozenset(ids)
 
     @staticmethod
     def _accepts(where: NodeFilter, ids: frozenset[str] | None) -> Callable[[Node, BaseNode], bool]:

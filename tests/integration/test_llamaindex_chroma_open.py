@@ -132,6 +132,8 @@ def test_leaf_searches_send_no_filter_when_leaves_are_most_of_the_tree(
     # leaves itself.
     from raptor_core import CollapsedTreeRetriever, PassageRetriever
 
+    # As if every layer were too large to list its ids once (a tree of thousands of leaves).
+    monkeypatch.setattr("raptor_llamaindex.store._SMALL_LAYER", 0)
     loaded, recorder = _load(persisted, monkeypatch)
     sizes = loaded.store.layer_sizes
     assert sizes is not None and sizes[0] >= sum(sizes) / 2
@@ -160,3 +162,29 @@ def test_leaf_searches_send_no_filter_when_leaves_are_most_of_the_tree(
         for q in queries
     ]
     assert on_chroma == on_tree
+
+
+def test_a_small_layer_is_listed_once_then_searched_by_ids(
+    persisted: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A traversal starts at the top layer: a few nodes.  A filter on it would cost a scan
+    # of the collection on every query; its ids are listed once (one filtered read, cached
+    # until the next write) and scored exactly after that.
+    loaded, recorder = _load(persisted, monkeypatch)
+    traversal = loaded.as_retriever(strategy="traversal")
+    first = [n.node.node_id for n in traversal.retrieve("Why do bees dance?")]
+    listed = list(recorder.filtered)
+    assert listed and all(call[0] == "get" for call in listed)
+    again = [n.node.node_id for n in traversal.retrieve("Why do bees dance?")]
+    traversal.retrieve("What do rivers carve?")
+    assert again == first and recorder.filtered == listed
+    tree = loaded.tree
+    from raptor_core import TreeTraversalRetriever
+
+    on_tree = TreeTraversalRetriever(tree, FakeEmbedder()).retrieve("Why do bees dance?")
+    on_store = TreeTraversalRetriever(loaded.store, FakeEmbedder()).retrieve("Why do bees dance?")
+    assert [h.id for h in on_store] == [h.id for h in on_tree]
+    # A write forgets the listing: the next search lists the layer again.
+    loaded.insert(_docs(["whales sing"])[0])
+    loaded.as_retriever(strategy="traversal").retrieve("Why do whales sing?")
+    assert len(recorder.filtered) > len(listed)
