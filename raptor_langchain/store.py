@@ -650,13 +650,16 @@ class LangChainNodeStore:
             where.doc_ids is not None and not where.doc_ids
         ):
             return []
-        if ids is None and where.layers is not None:
+        # Layers holding most of the nodes are searched without a filter and checked here;
+        # small ones are listed once and scored by id (fetching every leaf of a tree of
+        # 2,000 leaves on each query would cost more than one unfiltered search).
+        share = self._unpushed_share(where) if ids is None else None
+        if ids is None and where.layers is not None and share is None:
             ids = self._small_layer_ids(where.layers)
         pushdown = self._pushdown(where, ids)
         if ids is not None and (where.native is None or self.dialect.fetch_filters):
             found = self._search_ids(q, int(k), sorted(ids), pushdown, where.native)
         else:
-            share = self._unpushed_share(where) if ids is None else None
             found = self._search_store(q, int(k), pushdown, where.native, share)
         return found
 

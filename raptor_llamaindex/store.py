@@ -544,7 +544,9 @@ class LlamaIndexNodeStore:
             ids = children if ids is None else ids & children
         if ids is not None and not ids:
             return []
-        if ids is None and where.layers is not None:
+        # Small layers are listed once and scored by id, unless they hold most of the nodes:
+        # those are searched without a filter (``_search_store``), cheaper than fetching them.
+        if ids is None and where.layers is not None and self._unpushed_share(where, None) is None:
             ids = self._small_layer_ids(where.layers)
         accepts = self._accepts(where, ids)
         if ids is not None and self.backend.has_vectors:

@@ -197,8 +197,6 @@ def test_leaf_searches_send_no_filter_when_leaves_are_most_of_the_tree(
 
     tree = store_tree(DIM)
     assert len(tree.leaves) >= len(tree) / 2
-    # As if every layer were too large to list its ids once (a tree of thousands of leaves).
-    monkeypatch.setattr("raptor_langchain.store._SMALL_LAYER", 0)
     embedder = FakeEmbedder(dim=DIM)
     store, recorder = _reopened(chroma_path, monkeypatch)
     for leaf in tree.leaves[:4]:
@@ -214,8 +212,8 @@ def test_leaf_searches_send_no_filter_when_leaves_are_most_of_the_tree(
                 (h.id, h.node.text) for h in on_tree
             ]
     assert recorder.filtered == []
-    # A filter that keeps a minority of the nodes is still sent: one scan beats fetching
-    # most of the collection to find a few of them.
+    # A small layer that is a minority of the nodes has its ids listed once (one filtered
+    # read) and is scored by id.
     top = CollapsedTreeRetriever(store, embedder, k=1, layers=[tree.top_layer])
     assert [h.id for h in top.retrieve(tree.leaves[0].text)] == [
         h.id
@@ -223,4 +221,4 @@ def test_leaf_searches_send_no_filter_when_leaves_are_most_of_the_tree(
             tree.leaves[0].text
         )
     ]
-    assert recorder.filtered == [("query", {"raptor_layer": {"$in": [tree.top_layer]}})]
+    assert recorder.filtered == [("get", {"raptor_layer": tree.top_layer})]

@@ -132,8 +132,6 @@ def test_leaf_searches_send_no_filter_when_leaves_are_most_of_the_tree(
     # leaves itself.
     from raptor_core import CollapsedTreeRetriever, PassageRetriever
 
-    # As if every layer were too large to list its ids once (a tree of thousands of leaves).
-    monkeypatch.setattr("raptor_llamaindex.store._SMALL_LAYER", 0)
     loaded, recorder = _load(persisted, monkeypatch)
     sizes = loaded.store.layer_sizes
     assert sizes is not None and sizes[0] >= sum(sizes) / 2
