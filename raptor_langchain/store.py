@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -71,13 +70,17 @@ from raptor_core.exceptions import (
     TreeFormatError,
 )
 from raptor_core.store.codec import (
-    MAX_LAYERS,
+    SMALL_LAYER,
+    UNFILTERED_SHARE,
+    caller_layer_sizes,
     checked_layer_sizes,
     is_node_metadata,
+    layer_share,
     node_from_metadata,
     node_metadata,
     top_layer_of,
     tree_layer_sizes,
+    unfiltered_depth,
 )
 from raptor_core.store.filters import check_where, compile_where
 from raptor_core.store.vectors import StoreShape, unit_rows
@@ -103,14 +106,6 @@ STORE_FORMAT = ("raptor-tree-store", 1)
 # Searches whose filter runs partly in Python ask the store for this many extra documents
 # first, and four times more each time too few pass.
 _SLACK = 8
-# A layer of at most this many nodes has its ids listed once and cached (dialects with
-# ``layer_ids``), so a search restricted to it, such as a traversal's first step, scores
-# those ids exactly instead of running a filtered search, which Chroma answers by scanning
-# the whole collection.
-_SMALL_LAYER = 2000
-# A layer filter keeping at least this share of the nodes is checked in Python rather than
-# sent to a store that scans for every filter (``_unpushed_share``).
-_UNPUSHED_SHARE = 0.5
 
 
 # -- node <-> document -------------------------------------------------------------------------
@@ -305,13 +300,7 @@ class LangChainNodeStore:
         manifest.setdefault("params", {})
         manifest["complete"] = True
         if layer_sizes is not None:
-            sizes = checked_layer_sizes(list(layer_sizes))
-            if sizes is None:
-                msg = (
-                    f"layer_sizes must be at most {MAX_LAYERS} counts >= 0, got {layer_sizes!r:.80}"
-                )
-                raise InvalidParameterError(msg)
-            manifest["layer_sizes"] = sizes
+            manifest["layer_sizes"] = caller_layer_sizes(layer_sizes)
         elif not self.dialect.can_count:
             manifest.setdefault("layer_sizes", [])
         self._write_manifest(manifest)
@@ -678,9 +667,8 @@ class LangChainNodeStore:
         sizes = self._trusted_sizes()
         if not sizes:
             return None
-        kept = sum(sizes[layer] for layer in where.layers if 0 <= layer < len(sizes))
-        share = kept / sum(sizes)
-        return share if share >= _UNPUSHED_SHARE else None
+        share = layer_share(sizes, where.layers)
+        return share if share >= UNFILTERED_SHARE else None
 
     def _small_layer_ids(self, layers: frozenset[int]) -> frozenset[str] | None:
         """The ids of ``layers`` when the dialect lists them and each layer is small."""
@@ -690,10 +678,10 @@ class LangChainNodeStore:
         ids: set[str] = set()
         sizes = self._trusted_sizes()
         for layer in layers:
-            if sizes is not None and 0 <= layer < len(sizes) and sizes[layer] > _SMALL_LAYER:
+            if sizes is not None and 0 <= layer < len(sizes) and sizes[layer] > SMALL_LAYER:
                 return None  # known to be large: listing it would scan the collection
             if layer not in self._layer_cache:
-                self._layer_cache[layer] = lister(layer, _SMALL_LAYER)
+                self._layer_cache[layer] = lister(layer, SMALL_LAYER)
             known = self._layer_cache[layer]
             if known is None:
                 return None
@@ -791,9 +779,7 @@ class LangChainNodeStore:
         native_filter = self.dialect.conjoin(ours, native)
         m = k if exact and share is None else k + _SLACK
         if share is not None:
-            # Twice the share's worth: summaries rank above their share (a summary is near
-            # every query its children are near), and each widening costs a query.
-            m = math.ceil(2 * k / share) + _SLACK
+            m = unfiltered_depth(k, share, _SLACK)
         while True:
             rows = self.dialect.query(q, m, native=native_filter)
             scored = self._score(q, rows, pushdown)

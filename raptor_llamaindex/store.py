@@ -67,15 +67,18 @@ from numpy.typing import NDArray
 
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 from raptor_core.store.codec import (
-    MAX_LAYERS,
+    SMALL_LAYER,
     STRUCTURAL_PREFIX,
-    checked_layer_sizes,
+    UNFILTERED_SHARE,
+    caller_layer_sizes,
     is_node_metadata,
+    layer_share,
     node_from_metadata,
     node_metadata,
     scalar_value,
     top_layer_of,
     tree_layer_sizes,
+    unfiltered_depth,
 )
 from raptor_core.store.filters import check_where, compile_where
 from raptor_core.store.vectors import StoreShape, unit_rows
@@ -109,12 +112,6 @@ STORE_METADATA_KEYS = (
 # Searches whose filter runs partly in Python ask for this many extra nodes first, and
 # four times more each time too few pass.
 _SLACK = 8
-# A layer filter keeping at least this share of the nodes is checked in Python rather than
-# sent to a backend whose filters scan the collection (``_unpushed_share``).
-_UNPUSHED_SHARE = 0.5
-# A layer of at most this many nodes (by the recorded sizes) has its ids listed once and
-# cached, so searches of it score those ids exactly instead of sending a filter.
-_SMALL_LAYER = 2000
 
 
 # -- node <-> TextNode -------------------------------------------------------------------------
@@ -359,11 +356,7 @@ class LlamaIndexNodeStore:
     @layer_sizes.setter
     def layer_sizes(self, sizes: Sequence[int] | None) -> None:
         if sizes is not None:
-            checked = checked_layer_sizes(list(sizes))
-            if checked is None:
-                msg = f"layer_sizes must be at most {MAX_LAYERS} counts >= 0, got {sizes!r:.80}"
-                raise InvalidParameterError(msg)
-            sizes = checked
+            sizes = caller_layer_sizes(sizes)
         self._sizes: list[int] | None = sizes
         self._top = None
         self._layer_ids: dict[int, frozenset[str]] = {}
@@ -546,13 +539,14 @@ class LlamaIndexNodeStore:
             return []
         # Small layers are listed once and scored by id, unless they hold most of the nodes:
         # those are searched without a filter (``_search_store``), cheaper than fetching them.
-        if ids is None and where.layers is not None and self._unpushed_share(where, None) is None:
+        share = self._unpushed_share(where) if ids is None else None
+        if ids is None and where.layers is not None and share is None:
             ids = self._small_layer_ids(where.layers)
         accepts = self._accepts(where, ids)
         if ids is not None and self.backend.has_vectors:
             # A known set of ids (a traversal step): score them exactly, no ANN search.
             return self._rank(self._score(q, self._rows(sorted(ids)), accepts, {}), int(k))
-        return self._search_store(q, int(k), where, ids, accepts)
+        return self._search_store(q, int(k), where, ids, accepts, share)
 
     def _small_layer_ids(self, layers: frozenset[int]) -> frozenset[str] | None:
         """The ids of ``layers`` when each is known to be small, listed once and cached.
@@ -567,7 +561,7 @@ class LlamaIndexNodeStore:
             return None
         if not self.backend.cheap_count or sum(sizes) != len(self):
             return None
-        if any(not 0 <= layer < len(sizes) or sizes[layer] > _SMALL_LAYER for layer in layers):
+        if any(not 0 <= layer < len(sizes) or sizes[layer] > SMALL_LAYER for layer in layers):
             return None
         ids: set[str] = set()
         for layer in layers:
@@ -596,7 +590,7 @@ class LlamaIndexNodeStore:
 
         return accepts
 
-    def _unpushed_share(self, where: NodeFilter, ids: frozenset[str] | None) -> float | None:
+    def _unpushed_share(self, where: NodeFilter) -> float | None:
         """The share of the nodes a layer-only filter keeps, when it should stay in Python.
 
         On a backend whose filters scan the whole collection (Chroma: 2.8 s a query at 1M
@@ -604,16 +598,15 @@ class LlamaIndexNodeStore:
         a tree) costs more than an unfiltered search for a few times ``k / share`` results
         checked here.  None: send the filter.
         """
-        if not self.backend.scanning_filters or where.layers is None or ids is not None:
+        if not self.backend.scanning_filters or where.layers is None:
             return None
         if where.doc_ids is not None or where.where is not None or where.native is not None:
             return None
         sizes = self._sizes
         if not sizes or not self.backend.cheap_count or sum(sizes) != len(self):
             return None
-        kept = sum(sizes[layer] for layer in where.layers if 0 <= layer < len(sizes))
-        share = kept / sum(sizes)
-        return share if share >= _UNPUSHED_SHARE else None
+        share = layer_share(sizes, where.layers)
+        return share if share >= UNFILTERED_SHARE else None
 
     def _filters(
         self, where: NodeFilter, *, layers_in_python: bool = False
@@ -687,15 +680,16 @@ class LlamaIndexNodeStore:
         where: NodeFilter,
         ids: frozenset[str] | None,
         accepts: Callable[[Node, BaseNode], bool],
+        share: float | None = None,
     ) -> list[Match]:
-        """Search the store; widen the search while the checks in Python drop too many."""
-        share = self._unpushed_share(where, ids)
+        """Search the store; widen the search while the checks in Python drop too many.
+
+        ``share``: the layer filter stays out of the store's query (``_unpushed_share``).
+        """
         filters, exact = self._filters(where, layers_in_python=share is not None)
         m = k if exact and ids is None else k + _SLACK
         if share is not None:
-            # Twice the share's worth: summaries rank above their share (a summary is near
-            # every query its children are near), and each widening costs a query.
-            m = math.ceil(2 * k / share) + _SLACK
+            m = unfiltered_depth(k, share, _SLACK)
         if ids is not None:
             m = max(m, len(ids))
         while True:
