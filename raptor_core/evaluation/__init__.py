@@ -22,6 +22,7 @@ from raptor_core.evaluation.metrics import (
     span_precision,
     span_recall,
 )
+from raptor_core.evaluation.readers import ChoiceReader, LLMChoiceReader
 from raptor_core.evaluation.runner import (
     DEFAULT_BUDGETS,
     ContextRetriever,
@@ -36,10 +37,12 @@ from raptor_core.evaluation.runner import (
 
 __all__ = [
     "DEFAULT_BUDGETS",
+    "ChoiceReader",
     "Context",
     "ContextRetriever",
     "EvalCorpus",
     "EvalResult",
+    "LLMChoiceReader",
     "Question",
     "RaptorStrategy",
     "RetrieverSpec",

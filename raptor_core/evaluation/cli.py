@@ -108,6 +108,13 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     llm.add_argument(
         "--llm-summaries", action="store_true", help="also summarise the trees with the LLM"
     )
+    llm.add_argument(
+        "--reader",
+        choices=["none", "llm"],
+        default="none",
+        help="llm: answer multiple-choice questions (QuALITY) with the LLM from each "
+        "retriever's context and score its accuracy (one call per question, retriever, budget)",
+    )
     p.add_argument(
         "--json", action="store_true", help="print the summary as JSON instead of a table"
     )
@@ -174,6 +181,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         from raptor_core.build.summarizers import LLMSummarizer
 
         summarizer = LLMSummarizer(llm)
+    reader = None
+    if args.reader == "llm":
+        if llm is None:
+            msg = "--reader llm needs --llm openai"
+            raise InvalidParameterError(msg)
+        from raptor_core.evaluation.readers import LLMChoiceReader
+
+        reader = LLMChoiceReader(llm)
     names = (
         None if args.retrievers is None else [n for n in args.retrievers.split(",") if n.strip()]
     )
@@ -192,6 +207,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             embedder=embedder,
             summarizer=summarizer,
             llm=llm,
+            reader=reader,
             builder_params={"chunk_max_tokens": args.chunk_tokens},
             cache_dir=None if args.no_cache else out / "trees",
             random_state=args.seed,

@@ -2,8 +2,9 @@
 
 Documents: one JSON object per line with ``doc_id`` and ``text`` (other fields become
 metadata).  Questions: ``doc_id``, ``question``, and any of ``answers``, ``evidence``,
-``evidence_sections`` (FairytaleQA: section numbers from 1) and ``evidence_turn_spans``
-(QMSum: inclusive ``[first, last]`` turn ranges, turns = lines numbered from 0).
+``evidence_sections`` (FairytaleQA: section numbers from 1), ``evidence_turn_spans``
+(QMSum: inclusive ``[first, last]`` turn ranges, turns = lines numbered from 0) and
+``options`` with ``gold_option`` (QuALITY: multiple choice, the gold option's index from 0).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class Question:
         evidence: gold evidence passages, document text (scored by evidence recall).
         evidence_sections: gold section numbers, from 1 (scored by span recall).
         evidence_turn_spans: gold inclusive turn ranges, from 0 (span recall and precision).
+        options: the answer options of a multiple-choice question (scored by a reader's
+            choice accuracy, see :mod:`~raptor_core.evaluation.readers`).
+        gold_option: the index of the correct option, from 0 (None: not multiple choice).
     """
 
     doc_id: str
@@ -55,6 +59,8 @@ class Question:
     evidence: tuple[str, ...] = ()
     evidence_sections: tuple[int, ...] = ()
     evidence_turn_spans: tuple[tuple[int, int], ...] = ()
+    options: tuple[str, ...] = ()
+    gold_option: int | None = None
 
 
 def _records(path: str | os.PathLike[str]) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -156,6 +162,17 @@ def _question(where: str, record: Mapping[str, Any], index: int) -> Question:
             f"(0 <= first <= last), got {spans!r:.60}"
         )
         raise InvalidInputError(msg)
+    options = _strings(where, record, "options")
+    gold = record.get("gold_option")
+    if gold is not None and not (_int(gold) and 0 <= gold < len(options)):
+        msg = (
+            f"{where}: 'gold_option' must be the index of one of the {len(options)} 'options' "
+            f"(from 0) or null, got {gold!r:.60}"
+        )
+        raise InvalidInputError(msg)
+    if gold is not None and (len(options) < 2 or any(not o.strip() for o in options)):
+        msg = f"{where}: a multiple-choice question needs at least two non-empty 'options'"
+        raise InvalidInputError(msg)
     qid = record.get("question_id")
     return Question(
         doc_id=doc_id,
@@ -165,6 +182,8 @@ def _question(where: str, record: Mapping[str, Any], index: int) -> Question:
         evidence=_strings(where, record, "evidence"),
         evidence_sections=tuple(sections),
         evidence_turn_spans=tuple((int(a), int(b)) for a, b in spans),
+        options=options if gold is not None else (),
+        gold_option=gold,
     )
 
 
@@ -192,6 +211,12 @@ def load_questions(
             continue
         if (first.doc_id, first.question) != (question.doc_id, question.question):
             msg = f"{where}: question_id {question.question_id!r} is already another question's"
+            raise InvalidInputError(msg)
+        if (first.options, first.gold_option) != (question.options, question.gold_option):
+            msg = (
+                f"{where}: question_id {question.question_id!r} repeats with different "
+                "'options' or 'gold_option': give each multiple-choice question one line"
+            )
             raise InvalidInputError(msg)
         # Another annotation of the same question (QASPER lists some two or three times):
         # any annotator's answer counts, and all the gold evidence is kept.

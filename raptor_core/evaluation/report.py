@@ -41,6 +41,7 @@ LABELS = {
     "answer_recall": "answer",
     "span_recall": "span",
     "span_precision": "span prec",
+    "choice_accuracy": "choice",
 }
 
 
@@ -221,6 +222,12 @@ def _notes(result: EvalResult) -> list[str]:
             cells.append(text)
         if cells:
             notes.append(f"best flat baseline, {LABELS.get(metric, metric)}: " + "; ".join(cells))
+    failures = sum(int(e.get("reader_failures") or 0) for e in result.summary)
+    if failures:
+        notes.append(
+            f"reader: {failures} answers named no option or failed (scored 0; see "
+            "'reader_error' in the rows)"
+        )
     notes.extend(f"skipped {name}: {reason}" for name, reason in result.skipped.items())
     return notes
 
@@ -336,7 +343,10 @@ def plot_recall(
             if xs:
                 ax.plot(xs, ys, styles[i % len(styles)], label=name, linewidth=1.5, markersize=4)
         ax.set_xlabel("context budget (tokens)")
-        ax.set_ylabel(LABELS.get(metric, metric) + " recall" if "recall" in metric else metric)
+        if metric == "choice_accuracy":
+            ax.set_ylabel("reader accuracy (multiple choice)")
+        else:
+            ax.set_ylabel(LABELS.get(metric, metric) + " recall" if "recall" in metric else metric)
         ax.set_xticks(budgets)
         ax.set_ylim(0.0, 1.02)
         ax.grid(True, alpha=0.3)

@@ -48,9 +48,12 @@ from raptor_core.evaluation.metrics import (
     span_precision,
     span_recall,
 )
+from raptor_core.evaluation.readers import ChoiceReader
 from raptor_core.exceptions import (
     InvalidInputError,
     InvalidParameterError,
+    LLMAuthenticationError,
+    LLMError,
     MissingDependencyError,
     TreeFormatError,
 )
@@ -81,8 +84,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUDGETS: tuple[int, ...] = (400, 1000, 2000)
 #: Entry-point group where packages register evaluation baselines (factories of corpus).
 BASELINE_ENTRY_POINTS = "raptor.eval_baselines"
-#: Recall-type metrics, in report order.
-METRICS: tuple[str, ...] = ("evidence_recall", "answer_recall", "span_recall", "span_precision")
+#: The metrics, in report order: recall of gold text, then a reader's multiple-choice
+#: accuracy (only with a ``reader``, on questions that have options).
+METRICS: tuple[str, ...] = (
+    "evidence_recall",
+    "answer_recall",
+    "span_recall",
+    "span_precision",
+    "choice_accuracy",
+)
 #: Effectively unbounded ``k`` for the RAPTOR strategies: the budget decides.
 _RAPTOR_K = 1000
 _CACHE_KEY_FILE = "eval-key.json"
@@ -557,6 +567,7 @@ def _summarize(
                 values = [r[metric] for r in group if r[metric] is not None]
                 entry[metric] = _mean(values)
                 entry[f"n_{metric}"] = len(values)
+            entry["reader_failures"] = sum(1 for r in group if r.get("reader_error"))
             entry["context_tokens"] = _mean(float(r["context_tokens"]) for r in group)
             entry["latency_ms_mean"] = statistics.fmean(latencies)
             entry["latency_ms_p50"] = _quantile(latencies, 0.5)
@@ -595,6 +606,33 @@ def environment() -> dict[str, Any]:
 
 
 # -- the run -------------------------------------------------------------------------------------
+def _read(
+    reader: ChoiceReader | None, question: Question, context: Sequence[str]
+) -> tuple[float | None, str | None]:
+    """``(choice_accuracy, reader_error)`` of one context: 1 or 0, or None without a reader."""
+    if reader is None or question.gold_option is None:
+        return None, None
+    try:
+        picked = reader.choose(question.question, question.options, context)
+    except LLMAuthenticationError:
+        raise  # a bad key or model name: every question would fail the same way
+    except LLMError as exc:
+        # One question's failure (a timeout, an answer that names no option) scores 0 and
+        # is counted, rather than ending a run of thousands of calls.
+        return 0.0, str(exc)[:300]
+    if (
+        isinstance(picked, bool)
+        or not isinstance(picked, int)
+        or not 0 <= picked < len(question.options)
+    ):
+        msg = (
+            f"the reader {reader!r} returned {picked!r} for question {question.question_id!r}, "
+            f"not an option index in 0..{len(question.options) - 1}"
+        )
+        raise InvalidParameterError(msg)
+    return float(picked == question.gold_option), None
+
+
 def _check_budgets(budgets: Sequence[int]) -> list[int]:
     if isinstance(budgets, int) or not budgets:
         msg = f"budgets must be a non-empty list of positive integers, got {budgets!r}"
@@ -619,6 +657,7 @@ def evaluate(
     summarizer: Summarizer | None = None,
     tokenizer: Tokenizer | None = None,
     llm: LLM | None = None,
+    reader: ChoiceReader | None = None,
     builder_params: Mapping[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     random_state: int | None = 0,
@@ -641,6 +680,12 @@ def evaluate(
         summarizer: the tree's summariser (default: the offline extractive one).
         tokenizer: counts budget tokens and builds chunks (default: ``cl100k_base``).
         llm: enables the ``llm`` and ``hybrid`` strategies.
+        reader: answers the multiple-choice questions (those with ``options``) from each
+            retriever's context, scored as ``choice_accuracy`` (for example
+            :class:`~raptor_core.evaluation.readers.LLMChoiceReader`); one call per question,
+            retriever and budget.  None: multiple-choice questions get no score.  A reader
+            error other than a rejected request (timeout, an answer naming no option)
+            scores that question 0 and is counted in the summary's ``reader_failures``.
         builder_params: extra :class:`~raptor_core.build.builder.TreeBuilder` parameters
             (``chunk_max_tokens``, ``max_layers``, ...).
         cache_dir: trees are saved under ``cache_dir/<doc_id>`` and reused by later runs
@@ -657,7 +702,10 @@ def evaluate(
 
     Raises:
         InvalidInputError: no questions, or a question about a document not given.
-        InvalidParameterError: a bad budget, ``tree_per`` or retriever name.
+        InvalidParameterError: a bad budget, ``tree_per`` or retriever name, or a reader
+            that returns no option index.
+        LLMAuthenticationError: the reader's model rejected a request (bad key, unknown
+            model): every later call would fail too.
     """
     from raptor_core.build.builder import TreeBuilder
     from raptor_core.tokenizers import default_tokenizer
@@ -748,6 +796,7 @@ def evaluate(
                     latency = (time.perf_counter() - started) * 1000.0
                     kept, used, cut = fit_budget(list(raw), budget, tokenizer)
                     ctx = Context.from_texts(kept, ngram=ngram)
+                    choice, reader_error = _read(reader, question, kept)
                     rows.append(
                         {
                             "doc_id": question.doc_id,
@@ -758,6 +807,8 @@ def evaluate(
                             "answer_recall": answer_recall(question.answers, ctx),
                             "span_recall": span_recall(units, ctx) if units else None,
                             "span_precision": span_precision(units, ctx) if units else None,
+                            "choice_accuracy": choice,
+                            "reader_error": reader_error,
                             "context_tokens": used,
                             "texts": len(kept),
                             "cut": cut,
@@ -783,6 +834,7 @@ def evaluate(
         "summarizer": _describe(summarizer) or "ExtractiveSummarizer (default)",
         "tokenizer": _describe(tokenizer),
         "llm": _describe(llm),
+        "reader": _describe(reader),
         "builder": builder.get_params(),
         "random_state": random_state,
         "ngram": ngram,

@@ -212,3 +212,89 @@ def test_eval_cli_llm_summaries_through_an_openai_compatible_server(tmp_path: Pa
     score = {(e["retriever"], e["budget"]): e for e in result["summary"]}
     for name in ("passage", "collapsed", "llm", "dense"):
         assert 0.0 <= score[name, 400]["evidence_recall"] <= 1.0
+
+
+def _river_questions(docs_path: Path, questions_path: Path) -> None:
+    """Rewrite the questions as multiple choice: beside which river does a village lie?"""
+    rng = random.Random(11)
+    records = []
+    for line in docs_path.read_text(encoding="utf-8").splitlines():
+        doc = json.loads(line)
+        for name, river in re.findall(
+            r"The village of (\w+) lies beside the (\w+) river", doc["text"]
+        ):
+            options = [river, *rng.sample([r for r in RIVERS if r != river], 3)]
+            rng.shuffle(options)
+            records.append(
+                {
+                    "doc_id": doc["doc_id"],
+                    "question_id": f"river-{name}",
+                    "question": f"Beside which river does the village of {name} lie?",
+                    "options": options,
+                    "gold_option": options.index(river),
+                }
+            )
+    questions_path.write_text("\n".join(json.dumps(r) for r in records) + "\n", encoding="utf-8")
+
+
+def _river_reader(prompt: str, max_tokens: int | None = None) -> str:
+    """The test server's reader: answers from the context it is given, or gives up."""
+    context = prompt.split("Context:", 1)[1].split("Question:", 1)[0]
+    name = re.search(r"village of (\w+) lie\?", prompt)
+    assert name is not None, prompt[-300:]
+    found = re.search(rf"The village of {name[1]} lies beside the (\w+) river", context)
+    if found is None:
+        return "The context does not say."
+    for letter, option in re.findall(r"^([A-D])\. (\w+)$", prompt, flags=re.MULTILINE):
+        if option == found[1]:
+            return f"Answer: {letter}"
+    return "none of these"
+
+
+@pytest.mark.slow
+def test_eval_cli_reader_through_an_openai_compatible_server(tmp_path: Path) -> None:
+    # QuALITY-style multiple choice (`--reader llm`): the reader model answers from each
+    # retriever's context, through the real openai client and the local test server.
+    docs, questions, gold = _dataset(tmp_path)
+    _river_questions(docs, questions)
+    (tmp_path / "evalplug.py").write_text(PLUGIN, encoding="utf-8")
+    (tmp_path / "gold.json").write_text(json.dumps(gold), encoding="utf-8")
+    out = tmp_path / "out"
+    with FakeOpenAIServer(completion=_river_reader) as server:
+        args = [
+            "eval",
+            "--docs", str(docs),
+            "--questions", str(questions),
+            "--retrievers", "passage,dense,unrelated=evalplug:Unrelated",
+            "--budgets", "200",
+            "--llm", "openai", "--llm-model", "fake-chat", "--llm-base-url", server.url,
+            "--reader", "llm",
+            "--out", str(out),
+        ]  # fmt: skip
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "OPENAI_API_KEY": "sk-test-eval",
+            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+            "EVAL_GOLD": str(tmp_path / "gold.json"),
+        }
+        cmd = [sys.executable, "-m", "raptor_core.cli", *args]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, timeout=300, check=False
+        )
+        chats = server.requests("chat")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    score = {e["retriever"]: e for e in result["summary"]}
+    n = score["passage"]["n_choice_accuracy"]
+    assert n == 16  # every village
+    # The real embedder finds each village's paragraph: the reader answers from it.
+    assert score["passage"]["choice_accuracy"] >= 0.75
+    assert score["dense"]["choice_accuracy"] >= 0.75
+    # Unrelated context: the reader gives up (asked twice), scored 0 and counted.
+    assert score["unrelated"]["choice_accuracy"] == 0.0
+    assert score["unrelated"]["reader_failures"] == n
+    # One call per question and retriever, plus the second try after each give-up.
+    assert len(chats) == sum(n + entry["reader_failures"] for entry in score.values())
+    assert all("A. " in chat.prompt and "Context:" in chat.prompt for chat in chats)
+    assert "reader: " in proc.stdout and "choice" in proc.stdout
