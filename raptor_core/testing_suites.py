@@ -258,8 +258,9 @@ class NodeStoreTests:
     Override :meth:`make_store` (a new, empty store for vectors of dimension ``dim``).  An
     approximate (ANN) store sets ``exact = False``: rankings are then compared as sets of
     the top hits rather than in order.  A store that cannot list its nodes sets
-    ``listable = False``: strategies that read every leaf once (``passage``) must then fail
-    with a clear error instead of answering.  Errors for bad input must be ``ValueError``
+    ``listable = False``: reading every leaf once (``passage`` with ``scope="all"``) must then
+    fail with a clear error, and ``passage`` by default works on the leaves its search finds
+    (``scope="found"``), as it does on the tree with that scope.  Errors for bad input must be ``ValueError``
     subclasses (``InvalidInputError``, ``InvalidParameterError``).
     """
 
@@ -487,6 +488,8 @@ class NodeStoreTests:
             ("passage", {"k": 5, "max_tokens": 40}),
             ("passage", {"k": 5, "max_tokens": 80, "where": {"topic": "nature"}}),
             ("passage", {"k": 5, "max_tokens": None}),
+            ("passage", {"k": 5, "max_tokens": 40, "scope": "found"}),
+            ("passage", {"k": 5, "max_tokens": 80, "where": {"topic": "nature"}, "scope": "found"}),
         ]
         # A store need not know how its tree was built; give passages the tree's tokenizer
         # so both cut the last passage alike.
@@ -498,15 +501,17 @@ class NodeStoreTests:
         ]
         for query in ("where do bees find flowers", "rocket fuel and orbit", "lava and ash"):
             for strategy, params in configs:
-                if strategy == "passage" and not self.listable:
-                    unlisted = make_retriever(strategy, store, embedder, **params)
+                on_each = [params, params]  # (on the tree, on the store)
+                if strategy == "passage" and not self.listable and "scope" not in params:
+                    every = make_retriever(strategy, store, embedder, **params, scope="all")
                     with pytest.raises(ValueError, match="list"):
-                        unlisted.retrieve(query)
-                    continue
+                        every.retrieve(query)
+                    # By default the store's passages are made of the leaves a search finds.
+                    on_each = [{**params, "scope": "found"}, params]
                 results = []
-                for source in (tree, store):
+                for source, kwargs in zip((tree, store), on_each, strict=True):
                     llm = ScriptedLLM(default=select_first(2))
-                    retriever = make_retriever(strategy, source, embedder, llm=llm, **params)
+                    retriever = make_retriever(strategy, source, embedder, llm=llm, **kwargs)
                     results.append(retriever.retrieve(query))
                 on_tree, on_store = results
                 if self.exact:

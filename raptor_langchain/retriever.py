@@ -263,9 +263,9 @@ class RaptorRetriever(BaseRetriever):
     k: int = Field(default=4, ge=1)
     """Number of documents to return."""
     strategy: str = DEFAULT_STRATEGY
-    """Retrieval strategy; see ``raptor_core.retrieval.registry.STRATEGIES``.  Left unset on a
-    vector store that cannot list its documents (a ``GenericDialect``), the default is
-    ``"collapsed"``: the default ``"passage"`` strategy reads every leaf once."""
+    """Retrieval strategy; see ``raptor_core.retrieval.registry.STRATEGIES``.  On a vector
+    store that cannot list its documents (a ``GenericDialect``), the default ``"passage"``
+    strategy works on the leaves its search finds (``scope="found"``: no BM25)."""
     search_type: str = "similarity"
     """``"similarity"``, ``"mmr"`` or ``"similarity_score_threshold"`` (see ``SEARCH_TYPES``)."""
     llm: Runnable[Any, Any] | LLM | None = None
@@ -339,10 +339,6 @@ class RaptorRetriever(BaseRetriever):
         self._embedder_cache = (source, embedder)
         return embedder
 
-    def _can_list(self) -> bool:
-        store = self.store
-        return not isinstance(store, LangChainNodeStore) or store.dialect.can_count
-
     @property
     def store(self) -> Tree | NodeStore:
         """What the strategies search: the tree, or the vector store as a NodeStore."""
@@ -359,10 +355,6 @@ class RaptorRetriever(BaseRetriever):
 
     def _strategy(self) -> str:
         if self.search_type != "mmr":
-            if "strategy" not in self.model_fields_set and not self._can_list():
-                # The default strategy reads every leaf once (BM25, neighbours); a store
-                # that cannot list its documents serves the collapsed tree instead.
-                return "collapsed"
             return self.strategy
         # search_type="mmr" names the strategy itself; only a different one set explicitly
         # (not the default) contradicts it.
@@ -694,8 +686,9 @@ class RaptorRetriever(BaseRetriever):
             vectorstore: an empty LangChain vector store to write every layer of the tree
                 into (then nothing stays in memory); None: the tree is kept in memory.
             k: number of documents to return.
-            strategy: retrieval strategy; None: the field's default (``"passage"``, or
-                ``"collapsed"`` on a store that cannot list its documents).
+            strategy: retrieval strategy; None: the field's default (``"passage"``; on a
+                store that cannot list its documents it works on the leaves its search
+                finds).
             search_type: ``"similarity"``, ``"mmr"`` or ``"similarity_score_threshold"``.
             max_tokens: token budget for the returned documents.
             search_kwargs: ``k``, ``filter``, ``fetch_k``, ``lambda_mult``,

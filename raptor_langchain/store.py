@@ -390,6 +390,15 @@ class LangChainNodeStore:
             return sum(self._layer_sizes())
         return max(0, self._count - (1 if self.manifest is not None else 0))
 
+    @property
+    def listable(self) -> bool:
+        """Whether the store can list its documents (iteration works).
+
+        Strategies that would read every leaf (``passage``) work on the leaves a search
+        finds when it cannot (``scope="found"``).
+        """
+        return bool(self.dialect.can_count)
+
     def __iter__(self) -> Iterator[Node]:
         for doc in self.dialect.scan():
             if is_node_document(doc):

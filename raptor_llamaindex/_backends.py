@@ -141,6 +141,11 @@ class GenericBackend:
         sims = result.similarities or [math.nan] * len(found)
         return list(zip(found, sims, strict=False))
 
+    @property
+    def listable(self) -> bool:
+        """Whether :meth:`scan` can work: the integration implements ``get_nodes``."""
+        return type(self.vector_store).get_nodes is not BasePydanticVectorStore.get_nodes
+
     def scan(self) -> Iterator[BaseNode]:
         try:
             nodes = self.vector_store.get_nodes(node_ids=None)
@@ -262,6 +267,11 @@ class SimpleBackend(GenericBackend):
         found = self.docstore.get_nodes(present, raise_error=False) if present else []
         return [Row(n, _vector(vectors[n.node_id])) for n in found if n is not None]
 
+    @property
+    def listable(self) -> bool:
+        """The simple store lists its ids itself."""
+        return True
+
     def scan(self) -> Iterator[BaseNode]:
         assert self.docstore is not None
         ids = list(self.vector_store.data.embedding_dict)
@@ -378,6 +388,11 @@ class ChromaBackend(GenericBackend):
             )
             rows += self._rows(got, vectors=True)
         return rows
+
+    @property
+    def listable(self) -> bool:
+        """Chroma lists its collection in pages."""
+        return True
 
     def scan(self) -> Iterator[BaseNode]:
         for got in self._pages(["metadatas", "documents"]):

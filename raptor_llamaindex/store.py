@@ -380,6 +380,15 @@ class LlamaIndexNodeStore:
         self._sizes = None
         self._layer_ids = {}
 
+    @property
+    def listable(self) -> bool:
+        """Whether the vector store can list its nodes (iteration works).
+
+        Strategies that would read every leaf (``passage``) work on the leaves a search
+        finds when it cannot (``scope="found"``).
+        """
+        return bool(self.backend.listable)
+
     def __iter__(self) -> Iterator[Node]:
         for node in self.backend.scan():
             if is_raptor_node(node):

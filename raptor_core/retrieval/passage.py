@@ -22,6 +22,15 @@ more than the next fragment elsewhere.  This strategy:
    to fit is cut to the tokens left (as a reader's context window would cut it), so the
    budget is used to the last token and never exceeded.
 
+A store that cannot list its nodes (a LangChain or LlamaIndex vector store reached only
+through its search API) cannot give BM25 over every leaf or each leaf's neighbours.  There
+the strategy works on the leaves its one search *found* (``scope="found"``): seeds by
+cosine alone, and two found leaves are neighbours when their spans in the same document are
+separated by at most two characters (the whitespace between consecutive chunks; no chunk
+fits in it).  Growth only ever adds leaves among the ``rank_factor * K`` best by cosine,
+which that search returns, so without BM25 nothing is lost but the lexical signal and the
+exact mean leaf size (``K`` is taken from the found leaves).
+
 Seeds are not an equal-weight fusion of the two signals: BM25's few strongest matches
 become seeds next to the dense ones, but below them the dense order rules, because on
 factoid questions over long pages BM25 often promotes chunks that repeat the question's
@@ -40,6 +49,7 @@ QASPER evidence; growing the stronger side first made the cap a clear gain.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import weakref
 from collections.abc import Mapping
@@ -65,6 +75,7 @@ from raptor_core.types import Embedder, NodeStore, Tokenizer
 
 __all__ = [
     "DEFAULT_RANK_FACTOR",
+    "DEFAULT_SCOPE",
     "DEFAULT_WINDOW",
     "PassageRetriever",
     "seed_strength",
@@ -85,6 +96,18 @@ DEFAULT_WINDOW = 2
 #: ``window`` binds first.  Measured with growth toward the stronger side first (without it,
 #: a capped passage grew into whichever side came first and lost NQ answers).
 DEFAULT_MAX_SHARE = 0.5
+#: Which leaves a search works on: ``"auto"`` is ``"all"`` on a store that can list its
+#: nodes, else ``"found"`` (see :class:`PassageRetriever`).
+DEFAULT_SCOPE = "auto"
+_SCOPES = ("auto", "all", "found")
+#: Two found leaves of one document are neighbours when at most this many characters
+#: separate their spans: consecutive chunks are separated by whitespace only (a space, a
+#: line break, a blank line), and a chunk between them would need at least one character
+#: plus a separator on each side.
+_ADJACENT_GAP = 2
+#: The leaf size assumed before a search when the tree's params do not record its chunk
+#: size (the paper's ~100-token chunks).
+_LEAF_TOKENS_GUESS = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +144,30 @@ class _Leaves:
             nxt[ordered[:-1]] = ordered[1:]
         self.order = _LeafOrder(prev=prev, next=nxt)
         self._bm25: BM25Index | None = None
+
+    @classmethod
+    def found(cls, nodes: list[Node]) -> _Leaves:
+        """The leaves one search found, best first; neighbours by their spans (see module)."""
+        leaves = cls.__new__(cls)
+        leaves.size = len(nodes)
+        leaves.nodes = nodes
+        leaves.ordinal = {node.id: i for i, node in enumerate(nodes)}
+        n = len(nodes)
+        leaves.tokens = np.fromiter((node.token_count for node in nodes), np.int64, n)
+        by_doc: dict[str, list[tuple[int, int, int]]] = {}
+        for i, node in enumerate(nodes):
+            if node.doc_id is not None and node.span is not None:
+                by_doc.setdefault(node.doc_id, []).append((*node.span, i))
+        prev = np.full(n, -1, dtype=np.intp)
+        nxt = np.full(n, -1, dtype=np.intp)
+        for members in by_doc.values():
+            members.sort()
+            for (_, end, a), (start, _, b) in itertools.pairwise(members):
+                if 0 <= start - end <= _ADJACENT_GAP:
+                    prev[b], nxt[a] = a, b
+        leaves.order = _LeafOrder(prev=prev, next=nxt)
+        leaves._bm25 = None
+        return leaves
 
     @property
     def bm25(self) -> BM25Index:
@@ -198,6 +245,15 @@ def tree_tokenizer(tree: object) -> Tokenizer | None:
         with contextlib.suppress(TypeError):  # not weakly referenceable: no cache
             _TOKENIZERS[tree] = cached
     return cached[0]
+
+
+def _leaf_tokens_guess(tree: object) -> float:
+    """The chunk size a tree's params record (a leaf's size before any is seen), else 100."""
+    params = getattr(tree, "params", None)
+    size = params.get("chunk_max_tokens") if isinstance(params, Mapping) else None
+    if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+        return float(size)
+    return float(_LEAF_TOKENS_GUESS)
 
 
 def seed_strength(
@@ -387,6 +443,14 @@ class PassageRetriever(TreeRetriever):
             place of the document.  Passages of two seeds that touch still merge.
         lexical: use BM25 (built from the leaf texts) as evidence for growing passages.
         min_score: leaves whose cosine similarity is below this never seed a passage.
+        scope: which leaves a search works on.  ``"all"``: every leaf of the store, read
+            once and kept (BM25 over all of them, neighbours in document order); the store
+            must be able to list its nodes.  ``"found"``: only the leaves one search finds
+            (the ``rank_factor * K`` best by cosine, or more), neighbours where their spans
+            touch, no BM25 (``lexical`` is not used), ``K`` from the found leaves' mean
+            size; for a vector store that can only be searched.  ``"auto"`` (default):
+            ``"all"`` unless the store says it cannot list its nodes (``listable = False``,
+            as the LangChain and LlamaIndex stores do for stores without a listing API).
         budget_tokenizer: counts the tokens of joined and cut passages; None: the tokenizer
             the tree was built with, when its params name a raptor_core tokenizer.  Without one,
             passages are whole leaves, never cut, and each join counts as one token.
@@ -417,6 +481,7 @@ class PassageRetriever(TreeRetriever):
         budget_tokenizer: Tokenizer | None = None,
         where: Mapping[str, Any] | None = None,
         native_filter: Any = None,
+        scope: str = DEFAULT_SCOPE,
     ) -> None:
         super().__init__(
             tree, embedder, k=k, max_tokens=max_tokens, where=where, native_filter=native_filter
@@ -427,6 +492,7 @@ class PassageRetriever(TreeRetriever):
         self.lexical = lexical
         self.min_score = min_score
         self.budget_tokenizer = budget_tokenizer
+        self.scope = scope
 
     def _validate(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
@@ -454,43 +520,107 @@ class PassageRetriever(TreeRetriever):
             msg = f"lexical must be True or False, got {self.lexical!r}"
             raise InvalidParameterError(msg)
         check_similarity("min_score", self.min_score)
+        if self.scope not in _SCOPES:
+            msg = f"scope must be one of {', '.join(map(repr, _SCOPES))}, got {self.scope!r}"
+            raise InvalidParameterError(msg)
+
+    def _scope(self) -> str:
+        """``"all"`` or ``"found"``: what ``scope`` means for this store."""
+        if self.scope != "auto":
+            return str(self.scope)
+        return "all" if getattr(self.store, "listable", True) is not False else "found"
+
+    def _sizes(self, mean_tokens: float, k: int, max_tokens: int | None) -> tuple[int, int]:
+        """``(depth, m)``: how many best leaves a passage may grow into, and the pool size.
+
+        ``K``, the leaves the budget holds, is ``max_tokens`` over the mean leaf size: the
+        neighbour threshold ``depth`` is a multiple of it, so it loosens with the budget
+        instead of being a fixed similarity.  The pool holds at least ``depth`` leaves.
+        """
+        fits = float(k) if max_tokens is None else max_tokens / max(1.0, mean_tokens)
+        depth = math.ceil(float(self.rank_factor) * max(1.0, fits))
+        return depth, max(depth, 2 * math.ceil(fits), 16)
 
     def _retrieve(
         self, query: str, vector: NDArray[np.float32], *, k: int, max_tokens: int | None
     ) -> list[Hit]:
+        if self._scope() == "found":
+            return self._retrieve_found(vector, k=k, max_tokens=max_tokens)
         leaves = _leaves(self.store)
         n = len(leaves.nodes)
         if n == 0:
             return []
-        tokens = leaves.tokens  # (n_leaves,)
-        if max_tokens is None:
-            # How far a passage may grow is relative to the budget; without one, there is
-            # nothing to trade context against, so the k strongest leaves come back alone.
-            order = _LeafOrder(prev=np.full(n, -1, np.intp), next=np.full(n, -1, np.intp))
-            fits = float(k)
-        else:
-            order = leaves.order
-            fits = max_tokens / max(1.0, float(tokens.mean()))
-        # K, the leaves the budget holds: the neighbour threshold is a multiple of it, so it
-        # loosens with the budget instead of being a fixed similarity.
-        depth = math.ceil(float(self.rank_factor) * max(1.0, fits))
+        depth, m = self._sizes(float(leaves.tokens.mean()), k, max_tokens)
         lexical = leaves.bm25.scores(query) if self.lexical else None  # (n_leaves,)
-        tokenizer = self.budget_tokenizer
-        if tokenizer is None:
-            tokenizer = tree_tokenizer(self.tree)
         # Seeds come from a pool of the ``m`` best leaves by cosine and the ``m`` best by
         # BM25, a few times what the budget holds: one search of the store, whatever its
         # size, and the same pool (so the same answer) from every store.  Ranking every leaf
         # instead only mattered when the pool ran out before the budget was full, and cost a
         # full scan of a vector store on every such query (a budget left a few tokens short
         # of any leaf, when leaves are never cut, ran out every pool).
-        m = min(max(depth, 2 * math.ceil(fits), 16), n)
+        ranked = self._rank(leaves, vector, lexical, depth, min(m, n))
+        return self._fill(leaves, ranked, k, max_tokens, depth, lexical=self.lexical)
+
+    def _retrieve_found(
+        self, vector: NDArray[np.float32], *, k: int, max_tokens: int | None
+    ) -> list[Hit]:
+        """``scope="found"``: passages among the leaves one search of the store finds."""
+        where = self.node_filter(layers=frozenset({0}))
+        _, m = self._sizes(_leaf_tokens_guess(self.tree), k, max_tokens)
+        found = [x for x in self.store.search(vector, m, where=where) if not is_carried(x.node)]
+        if not found:
+            return []
+        # K from the leaves found (the store cannot say what its mean leaf is); a pool
+        # asked for on a guess of the leaf size is searched again when that guess was high.
+        depth, wanted = self._sizes(
+            float(np.mean([x.node.token_count for x in found])), k, max_tokens
+        )
+        if wanted > m and len(found) == m:
+            found = [
+                x for x in self.store.search(vector, wanted, where=where) if not is_carried(x.node)
+            ]
+        found = found[:wanted]
+        leaves = _Leaves.found([x.node for x in found])
+        n = len(found)
+        cosine = np.fromiter((x.score for x in found), np.float32, n)  # (n_found,), best first
+        relevant = np.zeros(n, dtype=bool)
+        relevant[:depth] = True
+        strength = seed_strength(cosine, None)
+        seeds = np.lexsort((np.arange(n), -cosine, -strength)).astype(np.intp)
+        position = np.empty(n, dtype=np.intp)
+        position[seeds] = np.arange(n)
+        ranked = _Ranking(
+            cosine=cosine, relevant=relevant, strength=strength, seeds=seeds, position=position
+        )
+        return self._fill(leaves, ranked, k, max_tokens, depth, lexical=False)
+
+    def _fill(
+        self,
+        leaves: _Leaves,
+        ranked: _Ranking,
+        k: int,
+        max_tokens: int | None,
+        depth: int,
+        *,
+        lexical: bool,
+    ) -> list[Hit]:
+        """Grow the ranked seeds into passages within the budget, as hits."""
+        n = len(leaves.nodes)
+        tokens = leaves.tokens  # (n_leaves,)
+        if max_tokens is None:
+            # How far a passage may grow is relative to the budget; without one, there is
+            # nothing to trade context against, so the k strongest leaves come back alone.
+            order = _LeafOrder(prev=np.full(n, -1, np.intp), next=np.full(n, -1, np.intp))
+        else:
+            order = leaves.order
+        tokenizer = self.budget_tokenizer
+        if tokenizer is None:
+            tokenizer = tree_tokenizer(self.tree)
         cap = None if max_tokens is None else float(self.max_share) * max_tokens
-        ranked = self._rank(leaves, vector, lexical, depth, m)
         selection = _Selection(tokens, order, max_tokens, k, allow_cut=tokenizer is not None)
         self._select(selection, ranked, order, tokens, cap)
         passages = self._passages(selection, ranked.position, leaves.nodes, tokenizer, max_tokens)
-        return [self._hit(p, ranked.cosine, leaves.nodes, depth) for p in passages]
+        return [self._hit(p, ranked.cosine, leaves.nodes, depth, lexical=lexical) for p in passages]
 
     def _rank(
         self,
@@ -696,7 +826,13 @@ class PassageRetriever(TreeRetriever):
         return passages
 
     def _hit(
-        self, passage: _Passage, cosine: NDArray[np.float32], nodes: list[Node], depth: int
+        self,
+        passage: _Passage,
+        cosine: NDArray[np.float32],
+        nodes: list[Node],
+        depth: int,
+        *,
+        lexical: bool,
     ) -> Hit:
         run = passage.leaves
         leaves = [nodes[leaf] for leaf in run]
@@ -707,7 +843,7 @@ class PassageRetriever(TreeRetriever):
         reason = f"seed {nodes[best].id} (cosine {float(cosine[best]):.3f})"
         grown = len(run) - 1
         if grown:
-            signals = "similarity or BM25" if self.lexical else "similarity"
+            signals = "similarity or BM25" if lexical else "similarity"
             reason += f", {grown} adjacent leaf{'' if grown == 1 else 's'} among the top {depth} by {signals}"
         if passage.cut is not None:
             reason += "; cut to the tokens left in the budget"

@@ -28,13 +28,20 @@ from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_tests.integration_tests import RetrieversIntegrationTests
 
+from raptor_core import DEFAULT_STRATEGY
 from raptor_core.build.builder import TreeBuilder
 from raptor_core.retrieval.registry import make_retriever
 from raptor_core.store import FileNodeStore
 from raptor_core.testing import NodeStoreTests, ScriptedLLM, select_first
 from raptor_core.tree import Tree
 from raptor_core.types import Document as CoreDocument
-from raptor_langchain import ChromaDialect, LangChainNodeStore, RaptorEmbeddings, RaptorRetriever
+from raptor_langchain import (
+    ChromaDialect,
+    GenericDialect,
+    LangChainNodeStore,
+    RaptorEmbeddings,
+    RaptorRetriever,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -164,6 +171,8 @@ def strategy_configs() -> list[tuple[str, dict[str, Any]]]:
         ("value", {"k": 6, "chunk_k": 12, "include": "evidence"}),
         ("mmr", {"k": 6, "fetch_k": 20, "lambda_mult": 0.5}),
         ("llm", {"k": 5, "top_k": 2}),
+        ("passage", {"k": 100, "max_tokens": 400, "scope": "found"}),
+        ("passage", {"k": 100, "max_tokens": 1500, "scope": "found"}),
     ]
 
 
@@ -198,6 +207,36 @@ def test_same_answers_everywhere(
                 np.testing.assert_allclose(
                     [s for _, s in got], [s for _, s in expected], atol=1e-5, err_msg=str(where)
                 )
+
+
+def test_the_default_strategy_through_the_generic_vectorstore_api(
+    essay_tree: Tree, chroma_essays: Chroma, st_embedder: Any
+) -> None:
+    """A store with no dialect (here Chroma reached only through the VectorStore API).
+
+    It cannot list its documents, so the default strategy makes passages of the leaves its
+    search finds: the answers of ``scope="found"`` on the in-memory tree, real model and
+    real Chroma server.
+    """
+    store = LangChainNodeStore(chroma_essays, dialect=GenericDialect(chroma_essays))
+    assert store.listable is False
+    grown = 0
+    for question in QUESTIONS:
+        vector = st_embedder.embed_query(question)
+        expected, got = (
+            make_retriever(DEFAULT_STRATEGY, source, st_embedder, k=100, **params).retrieve(
+                question, embedding=vector, max_tokens=1000
+            )
+            for source, params in ((essay_tree, {"scope": "found"}), (store, {}))
+        )
+        assert expected and [(h.id, h.leaves) for h in got] == [(h.id, h.leaves) for h in expected]
+        np.testing.assert_allclose([h.score for h in got], [h.score for h in expected], atol=1e-4)
+        grown += sum(1 for h in got if h.leaves)
+    assert grown  # passages of several leaves, not single chunks
+    retriever = RaptorRetriever(vectorstore=chroma_essays, dialect=GenericDialect(chroma_essays))
+    docs = retriever.invoke("What does the waggle dance tell other bees?")
+    assert docs and docs[0].metadata["raptor_strategy"] == "passage"
+    assert "waggle" in " ".join(d.page_content for d in docs).lower()
 
 
 def test_deep_searches_are_answered_by_an_exact_scan(

@@ -145,6 +145,7 @@ def strategy_configs() -> list[tuple[str, dict[str, Any]]]:
         ("value", {"k": 6, "chunk_k": 12, "include": "evidence"}),
         ("passage", {"k": 5, "max_tokens": 600}),
         ("passage", {"k": 5, "where": {"topic": "history"}}),
+        ("passage", {"k": 100, "max_tokens": 1000, "scope": "found"}),
         ("mmr", {"k": 6, "fetch_k": 20, "lambda_mult": 0.5}),
     ]
 

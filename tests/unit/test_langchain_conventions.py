@@ -329,13 +329,18 @@ def test_a_generic_store_serves_the_retriever() -> None:
         lc_documents(), vectorstore=vectorstore, dialect=dialect, k=3, **fast_build_options()
     )
     assert isinstance(built.store.dialect, GenericDialect)  # type: ignore[union-attr]
-    # It cannot be listed, so its default strategy is the collapsed tree.
-    assert built._strategy() == "collapsed"
+    assert built.store.listable is False  # type: ignore[union-attr]
+    # It cannot be listed: the default strategy makes passages of the leaves its search
+    # finds, as it does on the tree with scope="found".
+    assert built._strategy() == "passage"
     in_memory = RaptorRetriever.from_documents(
-        lc_documents(), EMBEDDER, k=3, strategy="collapsed", **fast_build_options()
+        lc_documents(), EMBEDDER, k=3, search_kwargs={"scope": "found"}, **fast_build_options()
     )
-    assert in_memory._strategy() == "collapsed"
-    assert set(ids(built.invoke("rocket orbit"))) == set(ids(in_memory.invoke("rocket orbit")))
+    for query in ("rocket orbit", "how do bees make honey"):
+        assert ids(built.invoke(query)) == ids(in_memory.invoke(query))
+    assert all(doc.metadata["raptor_strategy"] == "passage" for doc in built.invoke("bees"))
+    collapsed = built.model_copy(update={"strategy": "collapsed"})
+    assert ids(collapsed.invoke("rocket orbit"))  # every other strategy still works there
     reopened = RaptorRetriever.from_vectorstore(vectorstore, dialect=GenericDialect(vectorstore))
     assert len(reopened.store) == len(in_memory.tree)  # type: ignore[arg-type]
 

@@ -551,3 +551,33 @@ def test_chroma_gets_no_where_for_the_structural_defaults(tmp_path: Path, carrie
     assert sent and all(w is None for w in sent)
     memory = InMemoryNodeStore.from_tree(tree).search(q, len(tree), where=where)
     assert [m.node.id for m in found] == [m.node.id for m in memory]
+
+
+def test_a_store_says_whether_it_can_list_its_nodes() -> None:
+    # Strategies that would read every leaf work on the leaves a search finds when the
+    # integration has no get_nodes (the default passage strategy then uses scope="found").
+    assert LlamaIndexNodeStore(SimpleVectorStore()).listable is True
+    assert LlamaIndexNodeStore(DictVectorStore()).listable is True
+
+    class QueryOnly(BasePydanticVectorStore):
+        stores_text: bool = False
+
+        @property
+        def client(self) -> None:
+            return None
+
+        def add(self, nodes: Sequence[BaseNode], **_: Any) -> list[str]:
+            return [n.node_id for n in nodes]
+
+        def delete(self, ref_doc_id: str, **_: Any) -> None:
+            return None
+
+        def query(self, query: VectorStoreQuery, **_: Any) -> VectorStoreQueryResult:
+            return VectorStoreQueryResult(nodes=[], similarities=[], ids=[])
+
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    store = LlamaIndexNodeStore(QueryOnly(), docstore=SimpleDocumentStore())
+    assert store.listable is False
+    with pytest.raises(InvalidParameterError, match="cannot list its nodes"):
+        list(store)

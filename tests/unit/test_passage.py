@@ -363,3 +363,84 @@ def test_one_search_of_the_store_whatever_its_size() -> None:
     assert hits and used <= 45
     dense = [k for k, restricted in store.asked if not restricted]
     assert len(dense) == 1 and dense[0] < leaves / 10
+
+
+class SearchOnlyStore(CountingStore):
+    """A store reached only through its search API: it says it cannot list its nodes."""
+
+    listable = False
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        msg = "this store cannot list its nodes"
+        raise InvalidParameterError(msg)
+
+
+def _search_only(tree: Tree) -> SearchOnlyStore:
+    store = SearchOnlyStore()
+    store.add(list(tree.nodes), tree.embeddings)
+    return store
+
+
+@pytest.mark.parametrize("query", ["why do bees shiver in winter", "rocket fuel", "the cat"])
+@pytest.mark.parametrize("budget", [24, 60, None])
+def test_a_store_that_cannot_list_gets_passages_of_the_leaves_found(
+    tree: Tree, query: str, budget: int | None
+) -> None:
+    store = _search_only(tree)
+    on_store = PassageRetriever(
+        store, FakeEmbedder(32), k=100, budget_tokenizer=WhitespaceTokenizer()
+    )
+    on_tree = retriever(tree, k=100, scope="found")
+    hits = on_store.retrieve(query, max_tokens=budget)
+    assert [(h.id, h.leaves, h.score) for h in hits] == [
+        (h.id, h.leaves, h.score) for h in on_tree.retrieve(query, max_tokens=budget)
+    ]
+    # One search (or two, when the leaves found are smaller than the tree's chunk size
+    # suggested), never a listing; passages are still contiguous leaves of one document.
+    assert 1 <= len(store.asked) <= 2 and not any(restricted for _, restricted in store.asked)
+    for hit in hits:
+        if hit.leaves:
+            doc = hit.node.doc_id
+            assert doc is not None
+            order = leaves_in_order(tree, doc)
+            at = order.index(hit.leaves[0].split("[")[0])
+            assert [x.split("[")[0] for x in hit.leaves] == order[at : at + len(hit.leaves)]
+    if budget is not None:
+        assert sum(count_tokens(WhitespaceTokenizer(), h.node.text) for h in hits) <= budget
+    # Reading every leaf needs a listing: asked for explicitly, it fails clearly.
+    with pytest.raises(InvalidParameterError, match="cannot list"):
+        PassageRetriever(store, FakeEmbedder(32), scope="all").retrieve(query)
+
+
+def test_found_passages_grow_by_similarity_alone(tree: Tree) -> None:
+    # On the leaves found, seeds still grow into their relevant neighbours (every span gap
+    # of this tree is one space), but no BM25 is involved.
+    for query in ("why do bees shiver in winter", "the youngest son and the cat"):
+        found = retriever(tree, k=100, scope="found").retrieve(query, max_tokens=60)
+        grown = [h for h in found if h.leaves]
+        assert grown
+        assert all("by similarity" in h.reason and "BM25" not in h.reason for h in grown)
+
+
+def test_found_leaves_are_neighbours_only_across_whitespace() -> None:
+    from raptor_core.retrieval.passage import _Leaves
+
+    def leaf(name: str, doc: str | None, span: tuple[int, int] | None) -> Node:
+        return Node(id=name, text=name, layer=0, token_count=1, doc_id=doc, span=span)
+
+    nodes = [
+        leaf("b", "d", (11, 20)),  # found first: order does not matter
+        leaf("a", "d", (0, 10)),  # one character before b: neighbours
+        leaf("c", "d", (22, 30)),  # two characters after b: neighbours
+        leaf("e", "d", (33, 40)),  # three after c: a leaf could lie between, so not
+        leaf("x", "other", (31, 32)),  # another document
+        leaf("y", None, None),  # no place in a document
+    ]
+    order = _Leaves.found(nodes).order
+    assert order.prev.tolist() == [1, -1, 0, -1, -1, -1]
+    assert order.next.tolist() == [2, 0, -1, -1, -1, -1]
+
+
+def test_scope_is_validated(tree: Tree) -> None:
+    with pytest.raises(InvalidParameterError, match="scope must be one of 'auto', 'all', 'found'"):
+        retriever(tree, scope="some").retrieve("bees")
