@@ -359,7 +359,8 @@ def check_embedder(tree: Tree, embedder: Embedder, *, pass_as: str = "embedder")
     record = tree.params.get("embedder")
     record = record if isinstance(record, Mapping) else {}
     declared = _declared_dim(embedder)
-    if len(tree) and declared is not None and declared != tree.dim:
+    # A stored tree whose dimension its store cannot tell (0) is checked by the first query.
+    if len(tree) and tree.dim and declared is not None and declared != tree.dim:
         recorded = _recorded_model(record)
         built = f" (it was built with {_show(recorded, 80)})" if recorded else ""
         msg = (

@@ -151,8 +151,9 @@ class GenericBackend:
             nodes = self.vector_store.get_nodes(node_ids=None)
         except NotImplementedError as exc:
             msg = (
-                f"{type(self.vector_store).__name__} cannot list its nodes (get_nodes); "
-                "strategies that read every leaf (passage) need a store that can"
+                f"{type(self.vector_store).__name__} cannot list its nodes (get_nodes): "
+                "reading the whole tree (to_tree, or updating an index reopened over it) "
+                "needs a store that can; every search strategy works without it"
             )
             raise InvalidParameterError(msg) from exc
         yield from nodes

@@ -371,6 +371,10 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             params=index_struct.params,
             layer_sizes=None if building else index_struct.layer_sizes,
         )
+        if building and not self._store.listable:
+            # A store that can neither list nor count (no get_nodes) is taken to be empty, as
+            # asked: the index records its sizes from here on.
+            self._store.layer_sizes = []
         if building and len(self._store) > 0:
             msg = (
                 f"the {type(storage_context.vector_store).__name__} already holds nodes: build "

@@ -366,6 +366,8 @@ class LlamaIndexNodeStore:
 
     # -- shape -----------------------------------------------------------------------------------
     def __len__(self) -> int:
+        if not self.backend.listable:
+            return sum(self._known_sizes())
         if self.backend.live_count:
             return self.backend.count()
         if self._count is None:
@@ -379,6 +381,28 @@ class LlamaIndexNodeStore:
         self._dim = self._top = self._count = None
         self._sizes = None
         self._layer_ids = {}
+
+    def _known_sizes(self) -> list[int]:
+        """The recorded sizes of a store that cannot count itself (else a clear error)."""
+        if self._sizes is None:
+            msg = (
+                f"{type(self.vector_store).__name__} can neither list nor count its nodes, "
+                "and no layer sizes were recorded: open it through RaptorIndex (which records "
+                "them), or pass layer_sizes= ([] for a new, empty store) and write to it only "
+                "through this store"
+            )
+            raise InvalidParameterError(msg)
+        return list(self._sizes)
+
+    def _resize(self, added: Sequence[Node], removed: Sequence[Node]) -> None:
+        """Keep a non-listable store's recorded sizes current across one write."""
+        sizes = self._known_sizes()
+        for node, step in [*((n, -1) for n in removed), *((n, 1) for n in added)]:
+            sizes.extend([0] * (node.layer + 1 - len(sizes)))
+            sizes[node.layer] = max(0, sizes[node.layer] + step)
+        while sizes and sizes[-1] == 0:
+            sizes.pop()
+        self._sizes = sizes
 
     @property
     def listable(self) -> bool:
@@ -397,13 +421,15 @@ class LlamaIndexNodeStore:
     @property
     def dim(self) -> int | None:
         """Vector dimension (None while nothing is stored)."""
-        if self._dim is None:
+        if self._dim is None and self.backend.listable:
             self._dim = self.backend.dim()
         return self._dim
 
     @property
     def top_layer(self) -> int:
         """The highest layer stored (-1 while empty)."""
+        if not self.backend.listable:
+            return top_layer_of(self._known_sizes())
         if self._top is None:
             sizes = self._sizes
             if sizes is not None and self.backend.cheap_count and sum(sizes) == len(self):
@@ -437,17 +463,29 @@ class LlamaIndexNodeStore:
         arr = unit_rows(vectors, len(nodes), self.dim if len(nodes) else None)
         if not nodes:
             return
+        # A store that cannot count keeps its sizes current here (read what is replaced).
+        tracked = not self.backend.listable and self._sizes is not None
+        before = self.get(ids) if tracked else []
         self.backend.delete(ids)
         self.backend.add([node_to_text_node(n, v) for n, v in zip(nodes, arr, strict=True)])
-        self.layer_sizes = None  # the writer records the new ones (RaptorIndex does)
+        if tracked:
+            self._resize(added=nodes, removed=before)
+        else:
+            self.layer_sizes = None  # the writer records the new ones (RaptorIndex does)
         self._count = None
         if self._dim is None:
             self._dim = int(arr.shape[1])
 
     def delete(self, ids: Sequence[str]) -> None:
         """Remove the nodes with these ids; unknown ids are ignored."""
-        self.backend.delete(list(dict.fromkeys(ids)))
-        self.layer_sizes = None
+        ids = list(dict.fromkeys(ids))
+        tracked = not self.backend.listable and self._sizes is not None
+        before = self.get(ids) if tracked else []
+        self.backend.delete(ids)
+        if tracked:
+            self._resize(added=[], removed=before)
+        else:
+            self.layer_sizes = None
         self._count = None
 
     def add_tree(self, tree: Tree, *, batch_size: int = BATCH) -> None:
@@ -495,7 +533,10 @@ class LlamaIndexNodeStore:
         Raises:
             TreeFormatError: the stored nodes do not form a tree.
         """
-        nodes = sorted(self, key=lambda n: n.layer)
+        # A store that cannot list itself is read only when it holds something (and then
+        # fails clearly): an empty one, as a new index starts, is an empty tree.
+        empty = not self.listable and len(self) == 0
+        nodes = [] if empty else sorted(self, key=lambda n: n.layer)
         if not nodes:
             return Tree(
                 nodes=(), embeddings=np.zeros((0, self.dim or 0), dtype=np.float32),

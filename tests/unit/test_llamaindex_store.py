@@ -108,6 +108,63 @@ class TestSimpleVectorStoreNodeStore(NodeStoreTests):
         return LlamaIndexNodeStore(SimpleVectorStore())
 
 
+class QueryOnlyVectorStore(BasePydanticVectorStore):
+    """A store that can only be searched: nodes in a dict, exact cosine search, no listing.
+
+    Like LlamaIndex's FAISS integration it keeps no texts (a docstore holds them) and has no
+    ``get_nodes``; it filters with LlamaIndex's flat ``MetadataFilters`` only.
+    """
+
+    stores_text: bool = False
+    _nodes: dict[str, BaseNode] = PrivateAttr(default_factory=dict)
+
+    @property
+    def client(self) -> None:
+        return None
+
+    def add(self, nodes: Sequence[BaseNode], **_: Any) -> list[str]:
+        for node in nodes:
+            self._nodes[node.node_id] = node
+        return [n.node_id for n in nodes]
+
+    def delete(self, ref_doc_id: str, **_: Any) -> None:
+        self._nodes = {i: n for i, n in self._nodes.items() if n.ref_doc_id != ref_doc_id}
+
+    def delete_nodes(
+        self, node_ids: list[str] | None = None, filters: Any = None, **_: Any
+    ) -> None:
+        for node_id in node_ids or []:
+            self._nodes.pop(node_id, None)
+
+    def query(self, query: VectorStoreQuery, **_: Any) -> VectorStoreQueryResult:
+        passes = build_metadata_filter_fn(lambda i: self._nodes[i].metadata, query.filters)
+        allowed = None if query.node_ids is None else set(query.node_ids)
+        q = np.asarray(query.query_embedding, dtype=np.float64)
+        scored = [
+            (float(np.dot(n.get_embedding(), q)), i)
+            for i, n in self._nodes.items()
+            if (allowed is None or i in allowed) and passes(i)
+        ]
+        order = sorted(range(len(scored)), key=lambda j: -scored[j][0])[: query.similarity_top_k]
+        return VectorStoreQueryResult(
+            similarities=[scored[j][0] for j in order], ids=[scored[j][1] for j in order]
+        )
+
+
+class TestQueryOnlyVectorStoreNodeStore(NodeStoreTests):
+    """A vector store that can only be searched, its texts in a docstore."""
+
+    listable = False
+
+    def make_store(self) -> LlamaIndexNodeStore:
+        from llama_index.core.storage.docstore import SimpleDocumentStore
+
+        vector_store = QueryOnlyVectorStore()
+        store = LlamaIndexNodeStore(vector_store, docstore=SimpleDocumentStore(), layer_sizes=[])
+        assert store.listable is False
+        return store
+
+
 class DictVectorStore(BasePydanticVectorStore):
     """A store LlamaIndexNodeStore has no backend for: nodes in a dict, exact cosine search.
 
@@ -579,5 +636,39 @@ def test_a_store_says_whether_it_can_list_its_nodes() -> None:
 
     store = LlamaIndexNodeStore(QueryOnly(), docstore=SimpleDocumentStore())
     assert store.listable is False
+    with pytest.raises(InvalidParameterError, match="no layer sizes were recorded"):
+        len(store)
     with pytest.raises(InvalidParameterError, match="cannot list its nodes"):
-        list(store)
+        next(iter(store))
+
+
+def test_an_index_over_a_store_that_can_only_be_searched(tmp_path: Path) -> None:
+    # No get_nodes (like LlamaIndex's FAISS integration): RaptorIndex records the layer
+    # sizes, and the default passage strategy works on the leaves its search finds.
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    vector_store = QueryOnlyVectorStore()
+    context = StorageContext.from_defaults(
+        vector_store=vector_store, docstore=SimpleDocumentStore()
+    )
+    index = RaptorIndex.from_documents(documents(), storage_context=context, **options())
+    assert index.store.listable is False and len(index.store) == len(index.tree)
+    retriever = index.as_retriever(similarity_top_k=100, strategy="passage", max_tokens=60)
+    on_tree = make_retriever(
+        "passage", index.tree, index.embedder, k=100, max_tokens=60, scope="found"
+    )
+    for query in ("cats sleep in the sun", "rockets and orbit"):
+        got = [n.node.node_id for n in retriever.retrieve(query)]
+        assert got and got == [h.id for h in on_tree.retrieve(query)]
+    # Reopened from storage, the recorded sizes come back with the index.
+    index.storage_context.persist(persist_dir=tmp_path)
+    reopened = RaptorIndex(
+        index_struct=index.index_struct,
+        storage_context=index.storage_context,
+        embed_model=FakeEmbedder(32),
+    )
+    assert len(reopened.store) == len(index.tree)
+    again = reopened.as_retriever(similarity_top_k=100, strategy="passage", max_tokens=60)
+    assert [n.node.node_id for n in again.retrieve("rockets and orbit")] == [
+        h.id for h in on_tree.retrieve("rockets and orbit")
+    ]
