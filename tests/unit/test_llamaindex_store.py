@@ -111,7 +111,7 @@ class TestSimpleVectorStoreNodeStore(NodeStoreTests):
 class QueryOnlyVectorStore(BasePydanticVectorStore):
     """A store that can only be searched: nodes in a dict, exact cosine search, no listing.
 
-    Like LlamaIndex's FAISS integration it keeps no texts (a docstore holds them) and has no
+    It keeps no texts (a docstore holds them) and has no
     ``get_nodes``; it filters with LlamaIndex's flat ``MetadataFilters`` only.
     """
 
@@ -643,7 +643,7 @@ def test_a_store_says_whether_it_can_list_its_nodes() -> None:
 
 
 def test_an_index_over_a_store_that_can_only_be_searched(tmp_path: Path) -> None:
-    # No get_nodes (like LlamaIndex's FAISS integration): RaptorIndex records the layer
+    # No get_nodes, texts in the docstore: RaptorIndex records the layer
     # sizes, and the default passage strategy works on the leaves its search finds.
     from llama_index.core.storage.docstore import SimpleDocumentStore
 
