@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TypeVar, cast
 
@@ -11,7 +12,15 @@ from numpy.typing import NDArray
 from raptor_core._threads import matvec
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 
-__all__ = ["RestrictCache", "check_add", "check_k", "check_query", "exact_top"]
+__all__ = [
+    "PositionIndex",
+    "RestrictCache",
+    "check_add",
+    "check_k",
+    "check_query",
+    "exact_top",
+    "no_hits",
+]
 
 T = TypeVar("T")
 
@@ -61,11 +70,77 @@ def check_query(query: object, dim: int) -> NDArray[np.float32]:
     if q.shape[0] != dim:
         msg = f"query has dimension {q.shape[0]} but the index holds dimension {dim}"
         raise InvalidInputError(msg)
-    norm = float(np.linalg.norm(q))
-    if not np.isfinite(norm) or norm == 0.0:
+    # sqrt(q . q) is what np.linalg.norm computes for a float vector, without its dispatch:
+    # the query path runs right after a search that left the CPU caches cold.
+    norm = float(np.sqrt(q.dot(q)))
+    if not math.isfinite(norm) or norm == 0.0:
         msg = "query vector is all zeros or not finite"
         raise InvalidInputError(msg)
     return q / norm
+
+
+class PositionIndex:
+    """Base of the bundled indexes: they search in positions and name the ids last.
+
+    A position is the order in which an id was added (0 first).  :meth:`search_rows`
+    answers in positions, which is all :class:`~raptor_core.store.memory.InMemoryNodeStore`
+    needs to find its rows (it maps positions to rows once per index, not each id on each
+    query); :meth:`search` is the :class:`~raptor_core.types.VectorIndex` answer, the same
+    hits with their ids.  An index of another library only needs ``search``.
+    """
+
+    _ids: list[str]
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def ids(self) -> list[str]:
+        """The ids held, by position (a copy)."""
+        return list(self._ids)
+
+    def search_rows(
+        self,
+        query: NDArray[np.float32],
+        k: int,
+        *,
+        restrict_to: Collection[str] | None = None,
+    ) -> tuple[NDArray[np.intp], NDArray[np.float32]]:
+        """Positions and cosines of the ``k`` best matches, best first: :meth:`search` without ids."""
+        raise NotImplementedError
+
+    def search(
+        self,
+        query: NDArray[np.float32],
+        k: int,
+        *,
+        restrict_to: Collection[str] | None = None,
+    ) -> list[tuple[str, float]]:
+        """The ``k`` most similar ``(id, cosine)`` pairs, best first (see :meth:`search_rows`).
+
+        Args:
+            query: ``(d,)`` query vector (normalised here).
+            k: number of results; fewer come back only when fewer vectors qualify.
+            restrict_to: search only these ids (unknown ids are ignored).
+
+        Raises:
+            InvalidParameterError: ``k`` is not a positive integer.
+            InvalidInputError: the query has another dimension, or is zero or not finite.
+        """
+        rows, scores = self.search_rows(query, k, restrict_to=restrict_to)
+        ids = self._ids
+        # tolist(): Python ints and floats in one call each, not a numpy scalar per hit.
+        return [(ids[r], s) for r, s in zip(rows.tolist(), scores.tolist(), strict=True)]
+
+
+_NO_ROWS = np.zeros(0, dtype=np.intp)
+_NO_SCORES = np.zeros(0, dtype=np.float32)
+_NO_ROWS.flags.writeable = False
+_NO_SCORES.flags.writeable = False
+
+
+def no_hits() -> tuple[NDArray[np.intp], NDArray[np.float32]]:
+    """The empty answer of :meth:`PositionIndex.search_rows` (shared read-only arrays)."""
+    return _NO_ROWS, _NO_SCORES
 
 
 class RestrictCache:

@@ -10,11 +10,13 @@ from numpy.typing import NDArray
 
 from raptor_core._threads import single_omp_thread
 from raptor_core.backends._vectors import (
+    PositionIndex,
     RestrictCache,
     check_add,
     check_k,
     check_query,
     exact_top,
+    no_hits,
 )
 from raptor_core.exceptions import InvalidParameterError
 from raptor_core.tree import Tree
@@ -22,7 +24,7 @@ from raptor_core.tree import Tree
 __all__ = ["FaissHNSWIndex", "FaissIndex"]
 
 
-class FaissIndex:
+class FaissIndex(PositionIndex):
     """A :class:`~raptor_core.types.VectorIndex` over a FAISS ``IndexFlatIP``.
 
     Exact search (no quantisation), so it returns the same ranking as
@@ -83,17 +85,20 @@ class FaissIndex:
     def _selector(self, positions: NDArray[np.int64]) -> _Selector:
         return _Selector(self._faiss, positions, len(self._ids))
 
-    def search(
+    def search_rows(
         self,
         query: NDArray[np.float32],
         k: int,
         *,
         restrict_to: Collection[str] | None = None,
-    ) -> list[tuple[str, float]]:
-        """The ``k`` most similar ``(id, cosine)`` pairs, best first (see ``NumpyIndex.search``)."""
+    ) -> tuple[NDArray[np.intp], NDArray[np.float32]]:
+        """Positions and cosines of the ``k`` most similar vectors, best first.
+
+        :meth:`search` names the same hits by id (see ``NumpyIndex.search_rows``).
+        """
         k = check_k(k)
         if not self._ids:
-            return []
+            return no_hits()
         q = check_query(query, int(self._index.d)).reshape(1, -1)
         if restrict_to is None:
             with single_omp_thread(self._faiss):  # one query: see raptor_core._threads
@@ -101,14 +106,15 @@ class FaissIndex:
         else:
             positions = self._restrict.positions(restrict_to, self._pos)
             if positions.size == 0:
-                return []
+                return no_hits()
             selector = self._restrict.extra(restrict_to, self._pos, positions, self._selector)
             params = self._faiss.SearchParameters(sel=selector.sel)
             with single_omp_thread(self._faiss):
                 dist, labels = self._index.search(q, min(k, int(positions.size)), params=params)
-        pairs = [(float(d), int(i)) for d, i in zip(dist[0], labels[0], strict=True) if i >= 0]
-        pairs.sort(key=lambda p: (-p[0], p[1]))  # deterministic order for equal scores
-        return [(self._ids[i], d) for d, i in pairs]
+        keep = labels[0] >= 0
+        found, scores = labels[0][keep], dist[0][keep]
+        order = np.lexsort((found, -scores))  # deterministic order for equal scores
+        return found[order].astype(np.intp, copy=False), scores[order]
 
 
 class _Selector:
@@ -165,7 +171,7 @@ def _check_setting(name: str, value: object, minimum: int, hint: str) -> int:
     return int(value)
 
 
-class FaissHNSWIndex:
+class FaissHNSWIndex(PositionIndex):
     """Approximate nearest-neighbour search over a FAISS HNSW graph (``IndexHNSWFlat``).
 
     For stores of 100k nodes and more, where one exact product over every vector costs
@@ -236,6 +242,7 @@ class FaissHNSWIndex:
         )
         self._faiss: Any = require("faiss", package="faiss-cpu")
         self._index: Any = None
+        self._dim = 0  # the index's dimension once built, kept off FAISS's SWIG getter
         self._vectors: NDArray[np.float32] = np.zeros((0, 0), dtype=np.float32)
         self._ids: list[str] = []
         self._pos: dict[str, int] = {}
@@ -300,6 +307,7 @@ class FaissHNSWIndex:
             dim = int(rows.shape[1])
             self._index = faiss.IndexHNSWFlat(dim, self.m, faiss.METRIC_INNER_PRODUCT)
             self._index.hnsw.efConstruction = self.ef_construction
+            self._dim = dim
         self._index.add(rows)
         for i in id_list:
             self._pos[i] = len(self._ids)
@@ -313,14 +321,16 @@ class FaissHNSWIndex:
     def _selector(self, positions: NDArray[np.int64]) -> _Selector:
         return _Selector(self._faiss, positions, len(self._ids))
 
-    def search(
+    def search_rows(
         self,
         query: NDArray[np.float32],
         k: int,
         *,
         restrict_to: Collection[str] | None = None,
-    ) -> list[tuple[str, float]]:
-        """About the ``k`` most similar ``(id, cosine)`` pairs, best first, with exact cosines.
+    ) -> tuple[NDArray[np.intp], NDArray[np.float32]]:
+        """Positions and exact cosines of about the ``k`` most similar vectors, best first.
+
+        :meth:`search` names the same hits by id.
 
         Args:
             query: ``(d,)`` query vector (normalised here).
@@ -329,14 +339,14 @@ class FaissHNSWIndex:
         """
         k = check_k(k)
         if not self._ids:
-            return []
-        q = check_query(query, int(self._index.d))
+            return no_hits()
+        q = check_query(query, self._dim)
         n = len(self._ids)
         positions = None
         if restrict_to is not None:
             positions = self._restrict.positions(restrict_to, self._pos)
             if positions.size == 0:
-                return []
+                return no_hits()
         size = n if positions is None else int(positions.size)
         want = min(k, size)
         ef = max(self.ef_search, want)
@@ -354,24 +364,25 @@ class FaissHNSWIndex:
             params = self._params.get(ef)
             if params is None:
                 params = self._params[ef] = _hnsw_params(self._faiss, ef, None)
-        with single_omp_thread(self._faiss):  # one query: see raptor_core._threads
-            scores, labels = self._index.search(q.reshape(1, -1), want, params=params)
-        keep = labels[0] >= 0
-        found, cosines = labels[0][keep], scores[0][keep]
-        if found.size < want:
-            # The graph ran out of allowed vectors before finding k: be correct, not fast.
+        faiss = self._faiss
+        cosines = np.empty(want, dtype=np.float32)
+        found = np.empty(want, dtype=np.int64)  # FAISS's idx_t
+        with single_omp_thread(faiss):  # one query: see raptor_core._threads
+            # search_c: the call under faiss's numpy wrapper, which would check and copy the
+            # (already unit, contiguous) query and allocate these two arrays again.
+            self._index.search_c(
+                1, faiss.swig_ptr(q), want, faiss.swig_ptr(cosines), faiss.swig_ptr(found), params
+            )
+        if int(found.min()) < 0:
+            # The graph ran out of allowed vectors before finding k (FAISS pads with -1):
+            # be correct, not fast.
             return self._exact(q, k, positions)
         # IndexHNSWFlat keeps the vectors unquantised: FAISS's inner products are the exact
         # cosines (to float32 rounding).  Sorted again for a deterministic order of ties.
         order = np.lexsort((found, -cosines))
-        ids = self._ids
-        return [
-            (ids[r], s) for r, s in zip(found[order].tolist(), cosines[order].tolist(), strict=True)
-        ]
+        return found[order].astype(np.intp, copy=False), cosines[order]
 
     def _exact(
         self, q: NDArray[np.float32], k: int, positions: NDArray[np.int64] | None
-    ) -> list[tuple[str, float]]:
-        rows, scores = exact_top(self._vectors, q, k, positions)
-        ids = self._ids
-        return [(ids[r], s) for r, s in zip(rows.tolist(), scores.tolist(), strict=True)]
+    ) -> tuple[NDArray[np.intp], NDArray[np.float32]]:
+        return exact_top(self._vectors, q, k, positions)

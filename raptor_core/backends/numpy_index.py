@@ -8,11 +8,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from raptor_core.backends._vectors import (
+    PositionIndex,
     RestrictCache,
     check_add,
     check_k,
     check_query,
     exact_top,
+    no_hits,
 )
 from raptor_core.tree import Tree
 from raptor_core.types import VectorIndex
@@ -20,7 +22,7 @@ from raptor_core.types import VectorIndex
 __all__ = ["NumpyIndex"]
 
 
-class NumpyIndex:
+class NumpyIndex(PositionIndex):
     """A :class:`~raptor_core.types.VectorIndex` backed by a dense numpy matrix.
 
     Vectors are unit-normalised when added, so scores are cosine similarities.  Search is
@@ -93,14 +95,16 @@ class NumpyIndex:
             self._blocks = [self._matrix]
         return self._matrix
 
-    def search(
+    def search_rows(
         self,
         query: NDArray[np.float32],
         k: int,
         *,
         restrict_to: Collection[str] | None = None,
-    ) -> list[tuple[str, float]]:
-        """The ``k`` most similar ``(id, cosine)`` pairs, best first.
+    ) -> tuple[NDArray[np.intp], NDArray[np.float32]]:
+        """Positions and cosines of the ``k`` most similar vectors, best first.
+
+        :meth:`search` names the same hits by id.
 
         Args:
             query: ``(d,)`` query vector (normalised here).
@@ -109,16 +113,14 @@ class NumpyIndex:
         """
         k = check_k(k)
         if not self._ids:
-            return []
+            return no_hits()
         q = check_query(query, self._dim or 0)
         positions = None
         if restrict_to is not None:
             positions = self._restrict.positions(restrict_to, self._pos)
             if positions.size == 0:
-                return []
-        rows, scores = exact_top(self._full(), q, k, positions)
-        ids = self._ids
-        return list(zip([ids[r] for r in rows.tolist()], scores.tolist(), strict=True))
+                return no_hits()
+        return exact_top(self._full(), q, k, positions)
 
 
 def _add_tree(index: VectorIndex, tree: Tree, layers: Collection[int] | None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -118,6 +119,12 @@ def normalize_query(vector: object, dim: int | None) -> NDArray[np.float32]:
             "use the embedder the tree was built with"
         )
         raise EmbeddingError(msg)
+    # One product answers every check of a usable vector: q . q is finite only when every
+    # value is, and positive unless all are zero; its square root is what np.linalg.norm
+    # computes.  Anything else takes the checks below, which name the problem.
+    norm = float(np.sqrt(q.dot(q)))
+    if math.isfinite(norm) and norm > 0.0:
+        return q / norm
     if not np.all(np.isfinite(q)):
         msg = "the embedder returned a query vector with NaN or infinite values"
         raise EmbeddingError(msg)
@@ -140,6 +147,17 @@ def fill_budget(
     The paper's reference code stops at the first node that does not fit; skipping it and
     trying the next (shorter) one fills the budget better and never exceeds it.
     """
+    return _fill(ranked_rows, token_counts, k=k, max_tokens=max_tokens)[0]
+
+
+def _fill(
+    ranked_rows: Sequence[int] | NDArray[np.intp],
+    token_counts: NDArray[np.int64],
+    *,
+    k: int,
+    max_tokens: int | None,
+) -> tuple[list[int], int]:
+    """:func:`fill_budget` and the tokens the rows taken use."""
     taken: list[int] = []
     used = 0
     for row in ranked_rows:
@@ -150,7 +168,7 @@ def fill_budget(
         used += cost
         if len(taken) >= k or (max_tokens is not None and used >= max_tokens):
             break
-    return taken
+    return taken, used
 
 
 def fill_ranked(
@@ -176,8 +194,8 @@ def fill_ranked(
         if min_score is not None:
             ranked = [i for i, score in enumerate(scores) if score >= min_score]
             exhausted = exhausted or len(ranked) < len(scores)  # ranked: nothing further passes
-        taken = fill_budget(ranked, tokens, k=k, max_tokens=max_tokens)
-        full = max_tokens is not None and int(tokens[taken].sum()) >= max_tokens
+        taken, used = _fill(ranked, tokens, k=k, max_tokens=max_tokens)
+        full = max_tokens is not None and used >= max_tokens
         if len(taken) >= k or full or exhausted:
             return taken
         m *= 4
@@ -383,7 +401,11 @@ def as_store(tree: Tree | NodeStore, *, index: VectorIndex | None = None) -> Nod
             given with a store.
     """
     if isinstance(tree, Tree):
-        stores = _STORES.setdefault(tree, {})
+        # get() before setdefault(): a lookup reuses the tree's plain weak reference, where
+        # setdefault() makes a new one (with a callback) and a new dict on every call.
+        stores = _STORES.get(tree)
+        if stores is None:
+            stores = _STORES.setdefault(tree, {})
         store = stores.get(id(index))
         if store is None:
             from raptor_core.store.memory import InMemoryNodeStore

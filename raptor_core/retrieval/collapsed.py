@@ -79,7 +79,8 @@ class CollapsedTreeRetriever(TreeRetriever):
         return as_store(self.tree, index=self.index)
 
     def _validate(self) -> None:
-        check_layers("layers", self.layers, self.store)
+        if self.layers is not None:  # checked against the store's layers: only when given
+            check_layers("layers", self.layers, self.store)
         check_similarity("min_score", self.min_score)
 
     def _retrieve(

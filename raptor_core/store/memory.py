@@ -20,6 +20,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from raptor_core._threads import matvec
+from raptor_core.backends._vectors import PositionIndex
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 from raptor_core.store.filters import canonical, compile_where
 from raptor_core.store.vectors import unit_rows
@@ -32,6 +33,8 @@ __all__ = ["InMemoryNodeStore"]
 # this share of them: gathering a few rows is cheaper than multiplying all of them.
 _GATHER_SHARE = 0.25
 _NO_FILTER = NodeFilter()
+_NO_ROWS = np.zeros(0, dtype=np.intp)
+_NO_ROWS.flags.writeable = False
 
 
 class InMemoryNodeStore:
@@ -67,6 +70,9 @@ class InMemoryNodeStore:
         self._dead = 0
         self._masks: dict[Any, NDArray[np.bool_] | None] = {}
         self._id_sets: dict[Any, frozenset[str]] = {}
+        # (index, its size, its positions' rows, whether some position has no row): see
+        # _index_rows.  One tuple, replaced whole, so concurrent searches may share it.
+        self._positions: tuple[PositionIndex, int, NDArray[np.intp], bool] | None = None
 
     @classmethod
     def from_tree(cls, tree: Tree, *, index: VectorIndex | None = None) -> InMemoryNodeStore:
@@ -196,6 +202,7 @@ class InMemoryNodeStore:
     def _changed(self) -> None:
         self._masks.clear()
         self._id_sets.clear()
+        self._positions = None
 
     # -- reads ---------------------------------------------------------------------------------
     def _full(self) -> NDArray[np.float32]:
@@ -269,7 +276,7 @@ class InMemoryNodeStore:
         """
         rows, scores = self._ranked(vector, k, where)
         nodes = self._nodes
-        return [Match(nodes[r], s) for r, s in zip(rows, scores, strict=True)]  # type: ignore[arg-type]
+        return [Match(nodes[r], s) for r, s in zip(rows.tolist(), scores, strict=True)]
 
     def search_within_budget(
         self,
@@ -290,7 +297,7 @@ class InMemoryNodeStore:
         """
         from raptor_core.retrieval.base import fill_ranked
 
-        found: tuple[list[int], list[float]] = ([], [])
+        found: tuple[NDArray[np.intp], list[float]] = (_NO_ROWS, [])
 
         def fetch(m: int) -> tuple[list[float], NDArray[np.int64]]:
             nonlocal found
@@ -300,11 +307,11 @@ class InMemoryNodeStore:
         taken = fill_ranked(fetch, k=k, max_tokens=max_tokens, min_score=min_score)
         rows, scores = found
         nodes = self._nodes
-        return [Match(nodes[rows[i]], scores[i]) for i in taken]  # type: ignore[arg-type]
+        return [Match(nodes[int(rows[i])], scores[i]) for i in taken]  # type: ignore[arg-type]
 
     def _ranked(
         self, vector: NDArray[np.float32], k: int, where: NodeFilter | None
-    ) -> tuple[list[int], list[float]]:
+    ) -> tuple[NDArray[np.intp], list[float]]:
         """Rows and scores of the ``k`` best matches, best first (the work of :meth:`search`)."""
         from raptor_core.retrieval.base import top_rows
 
@@ -312,7 +319,7 @@ class InMemoryNodeStore:
             msg = f"k must be a positive integer, got {k!r}"
             raise InvalidParameterError(msg)
         if not self._row:
-            return [], []
+            return _NO_ROWS, []
         q = np.asarray(vector, dtype=np.float32).reshape(-1)
         if q.shape[0] != self.dim:
             msg = f"query vector has dimension {q.shape[0]} but the store holds {self.dim}"
@@ -320,7 +327,7 @@ class InMemoryNodeStore:
         where = where if where is not None else _NO_FILTER
         rows = self._candidate_rows(where)
         if rows is not None and rows.size == 0:
-            return [], []
+            return _NO_ROWS, []
         if self.index is not None:
             return self._search_index(q, int(k), where, rows)
         matrix = self._full()
@@ -333,12 +340,12 @@ class InMemoryNodeStore:
             scores = matvec(matrix, q)[rows]
         best = top_rows(scores, min(int(k), scores.shape[0]))
         positions = best if rows is None else rows[best]
-        # tolist(): Python ints and floats in one call, not one numpy scalar per match.
-        return positions.tolist(), scores[best].tolist()
+        # tolist(): Python floats in one call, not one numpy scalar per match.
+        return positions, scores[best].tolist()
 
     def _search_index(
         self, q: NDArray[np.float32], k: int, where: NodeFilter, rows: NDArray[np.intp] | None
-    ) -> tuple[list[int], list[float]]:
+    ) -> tuple[NDArray[np.intp], list[float]]:
         assert self.index is not None
         restrict = None
         if rows is not None:
@@ -349,25 +356,43 @@ class InMemoryNodeStore:
                 restrict = frozenset(self._nodes[int(r)].id for r in rows)  # type: ignore[union-attr]
                 if key is not None:
                     self._id_sets[key] = restrict
-        pairs = self.index.search(q, k, restrict_to=restrict)
+        index = self.index
         expected = min(k, len(self._row) if rows is None else int(rows.size))
+        if isinstance(index, PositionIndex) and type(index).search is PositionIndex.search:
+            # One of raptor's own indexes, whose search is search_rows plus ids: its
+            # positions become rows through one cached array instead of a dict per hit.
+            positions, scores = index.search_rows(q, k, restrict_to=restrict)
+            if rows is not None and positions.size < expected:
+                raise _shortfall_error(int(positions.size), expected)
+            table, strangers = self._index_rows(index)
+            found = table[positions]
+            if strangers and found.size and int(found.min()) < 0:
+                raise _stranger_error(index.ids()[int(positions[int(np.argmin(found))])])
+            return found, scores.tolist()
+        pairs = index.search(q, k, restrict_to=restrict)
         if rows is not None and len(pairs) < expected:
-            msg = (
-                f"the vector index returned {len(pairs)} of {expected} nodes for a filtered "
-                "search: it must hold the tree's nodes (build it with "
-                "NumpyIndex.from_tree(tree) or FaissIndex.from_tree(tree))"
-            )
-            raise InvalidParameterError(msg)
+            raise _shortfall_error(len(pairs), expected)
         known = self._row
-        found = [known.get(i, -1) for i, _ in pairs]
-        if -1 in found:
-            stranger = pairs[found.index(-1)][0]
-            msg = (
-                f"the vector index returned id {stranger!r}, which is not in the tree: "
-                "build the index from this tree"
-            )
-            raise InvalidParameterError(msg)
-        return found, [s for _, s in pairs]
+        found_rows = [known.get(i, -1) for i, _ in pairs]
+        if -1 in found_rows:
+            raise _stranger_error(pairs[found_rows.index(-1)][0])
+        return np.asarray(found_rows, dtype=np.intp), [s for _, s in pairs]
+
+    def _index_rows(self, index: PositionIndex) -> tuple[NDArray[np.intp], bool]:
+        """The store row of each position of ``index`` (-1: an id not stored), and whether a -1 is there.
+
+        Built once per index and size, dropped when the store's rows change.
+        """
+        entry = self._positions
+        if entry is not None and entry[0] is index and entry[1] == len(index):
+            return entry[2], entry[3]
+        ids = index.ids()
+        known = self._row
+        table = np.fromiter((known.get(i, -1) for i in ids), dtype=np.intp, count=len(ids))
+        strangers = bool(table.size) and int(table.min()) < 0
+        table.flags.writeable = False
+        self._positions = (index, len(ids), table, strangers)
+        return table, strangers
 
     def _candidate_rows(self, where: NodeFilter) -> NDArray[np.intp] | None:
         """Rows that may match (None: every row), live rows only, sorted."""
@@ -442,6 +467,23 @@ def _filter_key(where: NodeFilter) -> Any:
         where.include_carried,
         None if where.where is None else canonical(where.where),
     )
+
+
+def _shortfall_error(returned: int, expected: int) -> InvalidParameterError:
+    msg = (
+        f"the vector index returned {returned} of {expected} nodes for a filtered "
+        "search: it must hold the tree's nodes (build it with "
+        "NumpyIndex.from_tree(tree) or FaissIndex.from_tree(tree))"
+    )
+    return InvalidParameterError(msg)
+
+
+def _stranger_error(node_id: str) -> InvalidParameterError:
+    msg = (
+        f"the vector index returned id {node_id!r}, which is not in the tree: "
+        "build the index from this tree"
+    )
+    return InvalidParameterError(msg)
 
 
 def _rows(index: Mapping[str, int], ids: Any) -> NDArray[np.intp]:
