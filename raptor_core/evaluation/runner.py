@@ -271,6 +271,9 @@ _NEEDS_LLM = ("llm", "hybrid")
 RAPTOR_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # Value-based search that returns the best nodes' evidence chunks, not the nodes.
     "value-evidence": ("value", {"include": "evidence"}),
+    # The default strategy as it runs on a vector store that can only be searched: on the
+    # leaves one search finds, without BM25.
+    "passage-found": ("passage", {"scope": "found"}),
 }
 
 

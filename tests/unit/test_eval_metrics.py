@@ -530,3 +530,5 @@ def test_value_evidence_variant_is_a_named_retriever() -> None:
     (spec,), skipped = resolve_retrievers(["value-evidence"])
     assert spec.name == "value-evidence" and spec.family == "raptor" and not skipped
     assert spec.factory.strategy == "value" and spec.factory.params == {"include": "evidence"}
+    (found,), _ = resolve_retrievers(["passage-found"])
+    assert found.factory.strategy == "passage" and found.factory.params == {"scope": "found"}
