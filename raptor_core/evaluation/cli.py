@@ -115,6 +115,12 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="llm: answer multiple-choice questions (QuALITY) with the LLM from each "
         "retriever's context and score its accuracy (one call per question, retriever, budget)",
     )
+    llm.add_argument(
+        "--reader-workers",
+        type=int_range(1, 64),
+        default=8,
+        help="reader calls in flight at once, over one question's contexts (default 8)",
+    )
     p.add_argument(
         "--json", action="store_true", help="print the summary as JSON instead of a table"
     )
@@ -208,6 +214,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             summarizer=summarizer,
             llm=llm,
             reader=reader,
+            reader_workers=args.reader_workers,
             builder_params={"chunk_max_tokens": args.chunk_tokens},
             cache_dir=None if args.no_cache else out / "trees",
             random_state=args.seed,

@@ -636,6 +636,25 @@ def _read(
     return float(picked == question.gold_option), None
 
 
+def _read_all(
+    reader: ChoiceReader | None,
+    question: Question,
+    contexts: Sequence[Sequence[str]],
+    workers: int,
+) -> list[tuple[float | None, str | None]]:
+    """:func:`_read` for each context, ``workers`` at a time, in the order given."""
+    if not contexts:
+        return []
+    if workers == 1 or len(contexts) == 1:
+        return [_read(reader, question, context) for context in contexts]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(workers, len(contexts))) as pool:
+        futures = [pool.submit(_read, reader, question, context) for context in contexts]
+        # The first error in submission order is raised; the pool waits for the others.
+        return [future.result() for future in futures]
+
+
 def _check_budgets(budgets: Sequence[int]) -> list[int]:
     if isinstance(budgets, int) or not budgets:
         msg = f"budgets must be a non-empty list of positive integers, got {budgets!r}"
@@ -661,6 +680,7 @@ def evaluate(
     tokenizer: Tokenizer | None = None,
     llm: LLM | None = None,
     reader: ChoiceReader | None = None,
+    reader_workers: int = 8,
     builder_params: Mapping[str, Any] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     random_state: int | None = 0,
@@ -689,6 +709,8 @@ def evaluate(
             retriever and budget.  None: multiple-choice questions get no score.  A reader
             error other than a rejected request (timeout, an answer naming no option)
             scores that question 0 and is counted in the summary's ``reader_failures``.
+        reader_workers: how many of a question's contexts the reader answers at once (in
+            threads: its calls mostly wait on the model's service); 1 answers them in turn.
         builder_params: extra :class:`~raptor_core.build.builder.TreeBuilder` parameters
             (``chunk_max_tokens``, ``max_layers``, ...).
         cache_dir: trees are saved under ``cache_dir/<doc_id>`` and reused by later runs
@@ -714,6 +736,13 @@ def evaluate(
     from raptor_core.tokenizers import default_tokenizer
 
     budgets = _check_budgets(budgets)
+    if (
+        isinstance(reader_workers, bool)
+        or not isinstance(reader_workers, int)
+        or reader_workers < 1
+    ):
+        msg = f"reader_workers must be a positive integer, got {reader_workers!r}"
+        raise InvalidParameterError(msg)
     if tree_per not in ("doc", "all"):
         msg = f"tree_per must be 'doc' or 'all', got {tree_per!r}"
         raise InvalidParameterError(msg)
@@ -752,6 +781,7 @@ def evaluate(
     rows: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
     n_done, n_total = 0, len(questions)
+    reads: list[tuple[int, list[str]]] = []  # (row, context) of one question, for the reader
     for g, (name, group_docs) in enumerate(groups):
         tree, seconds, cached = _tree_for(group_docs, builder, cache, name)
         builds["raptor tree"] += seconds
@@ -799,7 +829,8 @@ def evaluate(
                     latency = (time.perf_counter() - started) * 1000.0
                     kept, used, cut = fit_budget(list(raw), budget, tokenizer)
                     ctx = Context.from_texts(kept, ngram=ngram)
-                    choice, reader_error = _read(reader, question, kept)
+                    if reader is not None and question.gold_option is not None:
+                        reads.append((len(rows), kept))
                     rows.append(
                         {
                             "doc_id": question.doc_id,
@@ -810,8 +841,8 @@ def evaluate(
                             "answer_recall": answer_recall(question.answers, ctx),
                             "span_recall": span_recall(units, ctx) if units else None,
                             "span_precision": span_precision(units, ctx) if units else None,
-                            "choice_accuracy": choice,
-                            "reader_error": reader_error,
+                            "choice_accuracy": None,  # filled in by the reader below
+                            "reader_error": None,
                             "context_tokens": used,
                             "texts": len(kept),
                             "cut": cut,
@@ -819,6 +850,15 @@ def evaluate(
                             "embed_ms": embed_ms,
                         }
                     )
+            # The reader answers every context of the question at once (model calls wait on
+            # the network, and retrieval has been timed already).
+            for (at, _), (choice, reader_error) in zip(
+                reads,
+                _read_all(reader, question, [kept for _, kept in reads], reader_workers),
+                strict=True,
+            ):
+                rows[at]["choice_accuracy"], rows[at]["reader_error"] = choice, reader_error
+            reads.clear()
             n_done += 1
             if progress is not None:
                 progress("questions", n_done, n_total)

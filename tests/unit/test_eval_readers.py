@@ -208,7 +208,9 @@ def _reads_context(prompt: str) -> str:
     return "I cannot tell."
 
 
-def _evaluate(reader: ChoiceReader | None, questions: list[Question] | None = None):
+def _evaluate(
+    reader: ChoiceReader | None, questions: list[Question] | None = None, **kwargs: object
+):
     return evaluate(
         [Document(text=STORY, doc_id="s")],
         questions or [QUESTION, RECALL_ONLY],
@@ -219,6 +221,7 @@ def _evaluate(reader: ChoiceReader | None, questions: list[Question] | None = No
         tokenizer=WhitespaceTokenizer(),
         reader=reader,
         builder_params={"chunk_max_tokens": 12},
+        **kwargs,  # type: ignore[arg-type]
     )
 
 
@@ -264,3 +267,46 @@ def test_a_reader_that_returns_no_index_is_an_error() -> None:
 
     with pytest.raises(InvalidParameterError, match=r"not an option index in 0\.\.3"):
         _evaluate(Broken())
+
+
+def test_a_question_s_contexts_are_read_at_once_with_the_same_scores() -> None:
+    import threading
+    import time
+
+    lock = threading.Lock()
+    active = [0, 0]  # (now, most at once)
+
+    def slow_reader(prompt: str) -> str:
+        with lock:
+            active[0] += 1
+            active[1] = max(active[1], active[0])
+        time.sleep(0.05)
+        with lock:
+            active[0] -= 1
+        return _reads_context(prompt)
+
+    def run(workers: int) -> list[tuple[object, ...]]:
+        result = evaluate(
+            [Document(text=STORY, doc_id="s")],
+            [QUESTION],
+            retrievers=[RetrieverSpec("gold", Gold), RetrieverSpec("distractor", Distractor)],
+            budgets=(20, 50),
+            embedder=FakeEmbedder(16),
+            summarizer=EchoSummarizer(),
+            tokenizer=WhitespaceTokenizer(),
+            reader=LLMChoiceReader(ScriptedLLM(default=slow_reader)),
+            reader_workers=workers,
+            builder_params={"chunk_max_tokens": 12},
+        )
+        return [
+            (r["retriever"], r["budget"], r["choice_accuracy"], r["reader_error"])
+            for r in result.rows
+        ]
+
+    concurrent = run(8)
+    assert active[1] >= 2  # four contexts, read together
+    active[1] = 0
+    assert run(1) == concurrent and active[1] == 1
+    assert [row[2] for row in concurrent] == [1.0, 0.0, 1.0, 0.0]
+    with pytest.raises(InvalidParameterError, match="reader_workers must be a positive integer"):
+        _evaluate(LLMChoiceReader(ScriptedLLM(default="A")), reader_workers=0)
