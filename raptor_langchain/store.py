@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -90,6 +92,7 @@ from raptor_langchain.dialects import Pushdown, Row, StoreDialect, dialect_for
 from raptor_langchain.models import LangChainEmbedder, RaptorEmbeddings
 
 __all__ = [
+    "EMBEDDED_CACHE_SIZE",
     "MANIFEST_ID",
     "STORE_FORMAT",
     "LangChainNodeStore",
@@ -106,6 +109,9 @@ STORE_FORMAT = ("raptor-tree-store", 1)
 # Searches whose filter runs partly in Python ask the store for this many extra documents
 # first, and four times more each time too few pass.
 _SLACK = 8
+#: How many texts re-embedded for scoring (stores that return no vectors) are remembered:
+#: 10,000 vectors of 384 floats are 15 MB.
+EMBEDDED_CACHE_SIZE = 10_000
 
 
 # -- node <-> document -------------------------------------------------------------------------
@@ -208,6 +214,10 @@ class LangChainNodeStore:
         self._dim: int | None = None
         self._count: int | None = None
         self._layer_cache: dict[int, frozenset[str] | None] = {}
+        # Texts a store without vectors returned, embedded again to score them: the same
+        # leaves come back query after query, so each (id, text) is embedded once.
+        self._embedded: OrderedDict[tuple[str, str], NDArray[np.float32]] = OrderedDict()
+        self._embedded_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"LangChainNodeStore({type(self.vectorstore).__name__}, dialect={self.dialect.name})"
@@ -577,9 +587,18 @@ class LangChainNodeStore:
     def _with_vectors(
         self, found: Sequence[tuple[Node, NDArray[np.float32] | None]]
     ) -> list[tuple[Node, NDArray[np.float32]]]:
-        """Unit vectors for ``found``: the stored ones, else the texts embedded again."""
-        missing = [i for i, (_, v) in enumerate(found) if v is None]
+        """Unit vectors for ``found``: the stored ones, else the texts embedded again.
+
+        Texts embedded again are remembered by id and text (the last
+        :data:`EMBEDDED_CACHE_SIZE`), so a text that comes back is not embedded twice.
+        """
         vectors = [v for _, v in found]
+        with self._embedded_lock:
+            for i, (node, v) in enumerate(found):
+                if v is None and (node.id, node.text) in self._embedded:
+                    vectors[i] = self._embedded[node.id, node.text]
+                    self._embedded.move_to_end((node.id, node.text))
+        missing = [i for i, v in enumerate(vectors) if v is None]
         if missing:
             embedder = _core_embedder(self.embeddings)
             if embedder is None:
@@ -588,11 +607,16 @@ class LangChainNodeStore:
                     "scored by embedding them again: pass embeddings= (the tree's model)"
                 )
                 raise InvalidParameterError(msg)
-            again = np.asarray(
-                embedder.embed_documents([found[i][0].text for i in missing]), dtype=np.float32
-            )
-            for i, vector in zip(missing, again, strict=True):
-                vectors[i] = vector
+            texts = list(dict.fromkeys(found[i][0].text for i in missing))
+            again = np.asarray(embedder.embed_documents(texts), dtype=np.float32)
+            by_text = dict(zip(texts, again, strict=True))
+            with self._embedded_lock:
+                for i in missing:
+                    node = found[i][0]
+                    vectors[i] = by_text[node.text]
+                    self._embedded[node.id, node.text] = by_text[node.text]
+                while len(self._embedded) > EMBEDDED_CACHE_SIZE:
+                    self._embedded.popitem(last=False)
         out = []
         for (node, _), vector in zip(found, vectors, strict=True):
             v = np.asarray(vector, dtype=np.float32).reshape(-1)

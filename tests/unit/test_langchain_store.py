@@ -492,3 +492,41 @@ def test_generic_stores_score_by_embedding_again_and_need_the_model() -> None:
     )
     with pytest.raises(KeyError):
         store.vectors(["no-such-node"])
+
+
+def test_texts_embedded_again_to_score_them_are_embedded_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A store without vectors: its results are scored by embedding their texts again.  The
+    # same leaves come back query after query; each (id, text) is embedded once, and a
+    # replaced text is embedded anew.
+    from raptor_langchain import store as store_module
+
+    store, _ = filled_store("generic")
+    embedded: list[str] = []
+    inner = FakeEmbedder(dim=DIM)
+
+    class Counting(FakeEmbedder):
+        def embed_documents(self, texts):  # type: ignore[no-untyped-def]
+            embedded.extend(texts)
+            return inner.embed_documents(texts)
+
+    store.embeddings = RaptorEmbeddings(Counting(dim=DIM))
+    query = inner.embed_query("bees and honey")
+    leaves = NodeFilter(layers=frozenset({0}))
+    first = store.search(query, 5, where=leaves)
+    assert embedded and len(embedded) == len(set(embedded))
+    count = len(embedded)
+    assert [(m.node.id, m.score) for m in store.search(query, 5, where=leaves)] == [
+        (m.node.id, m.score) for m in first
+    ]
+    assert len(embedded) == count  # nothing embedded the second time
+    leaf = first[0].node
+    store.add([replace(leaf, text="a new text for the best leaf")], inner.embed_documents(["x"]))
+    again = store.search(inner.embed_query("a new text for the best leaf"), 5, where=leaves)
+    assert again[0].node.id == leaf.id
+    assert "a new text for the best leaf" in embedded[count:]
+    # Bounded: the oldest entries go first.
+    monkeypatch.setattr(store_module, "EMBEDDED_CACHE_SIZE", 3)
+    store.search(inner.embed_query("rocket fuel"), 5, where=leaves)
+    assert len(store._embedded) == 3
