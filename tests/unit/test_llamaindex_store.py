@@ -136,7 +136,8 @@ class QueryOnlyVectorStore(BasePydanticVectorStore):
         for node_id in node_ids or []:
             self._nodes.pop(node_id, None)
 
-    def query(self, query: VectorStoreQuery, **_: Any) -> VectorStoreQueryResult:
+    def _ranked(self, query: VectorStoreQuery) -> list[tuple[float, str]]:
+        """``(cosine, id)`` of the best nodes passing the query's filters and ids, best first."""
         passes = build_metadata_filter_fn(lambda i: self._nodes[i].metadata, query.filters)
         allowed = None if query.node_ids is None else set(query.node_ids)
         q = np.asarray(query.query_embedding, dtype=np.float64)
@@ -146,8 +147,12 @@ class QueryOnlyVectorStore(BasePydanticVectorStore):
             if (allowed is None or i in allowed) and passes(i)
         ]
         order = sorted(range(len(scored)), key=lambda j: -scored[j][0])[: query.similarity_top_k]
+        return [scored[j] for j in order]
+
+    def query(self, query: VectorStoreQuery, **_: Any) -> VectorStoreQueryResult:
+        ranked = self._ranked(query)
         return VectorStoreQueryResult(
-            similarities=[scored[j][0] for j in order], ids=[scored[j][1] for j in order]
+            similarities=[score for score, _ in ranked], ids=[i for _, i in ranked]
         )
 
 
@@ -165,7 +170,7 @@ class TestQueryOnlyVectorStoreNodeStore(NodeStoreTests):
         return store
 
 
-class DictVectorStore(BasePydanticVectorStore):
+class DictVectorStore(QueryOnlyVectorStore):
     """A store LlamaIndexNodeStore has no backend for: nodes in a dict, exact cosine search.
 
     Like many integrations it keeps texts, returns nodes from ``get_nodes`` and filters with
@@ -173,25 +178,6 @@ class DictVectorStore(BasePydanticVectorStore):
     """
 
     stores_text: bool = True
-    _nodes: dict[str, BaseNode] = PrivateAttr(default_factory=dict)
-
-    @property
-    def client(self) -> None:
-        return None
-
-    def add(self, nodes: Sequence[BaseNode], **_: Any) -> list[str]:
-        for node in nodes:
-            self._nodes[node.node_id] = node
-        return [n.node_id for n in nodes]
-
-    def delete(self, ref_doc_id: str, **_: Any) -> None:
-        self._nodes = {i: n for i, n in self._nodes.items() if n.ref_doc_id != ref_doc_id}
-
-    def delete_nodes(
-        self, node_ids: list[str] | None = None, filters: Any = None, **_: Any
-    ) -> None:
-        for node_id in node_ids or []:
-            self._nodes.pop(node_id, None)
 
     def get_nodes(
         self, node_ids: list[str] | None = None, filters: Any = None, **_: Any
@@ -201,19 +187,11 @@ class DictVectorStore(BasePydanticVectorStore):
         return [self._nodes[i] for i in node_ids if i in self._nodes]
 
     def query(self, query: VectorStoreQuery, **_: Any) -> VectorStoreQueryResult:
-        passes = build_metadata_filter_fn(lambda i: self._nodes[i].metadata, query.filters)
-        allowed = None if query.node_ids is None else set(query.node_ids)
-        q = np.asarray(query.query_embedding, dtype=np.float64)
-        scored = [
-            (float(np.dot(n.get_embedding(), q)), i)
-            for i, n in self._nodes.items()
-            if (allowed is None or i in allowed) and passes(i)
-        ]
-        order = sorted(range(len(scored)), key=lambda j: -scored[j][0])[: query.similarity_top_k]
+        ranked = self._ranked(query)
         return VectorStoreQueryResult(
-            nodes=[self._nodes[scored[j][1]] for j in order],
-            similarities=[scored[j][0] for j in order],
-            ids=[scored[j][1] for j in order],
+            nodes=[self._nodes[i] for _, i in ranked],
+            similarities=[score for score, _ in ranked],
+            ids=[i for _, i in ranked],
         )
 
 
