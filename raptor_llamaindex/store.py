@@ -394,8 +394,21 @@ class LlamaIndexNodeStore:
             raise InvalidParameterError(msg)
         return list(self._sizes)
 
-    def _resize(self, added: Sequence[Node], removed: Sequence[Node]) -> None:
-        """Keep a non-listable store's recorded sizes current across one write."""
+    def _replaced(self, ids: Sequence[str]) -> list[Node] | None:
+        """The stored nodes a write to ``ids`` replaces, when this store keeps its sizes.
+
+        Only a store that cannot count itself, with recorded sizes, keeps them current
+        across writes (None otherwise: the writer records new sizes, as RaptorIndex does).
+        """
+        if self.backend.listable or self._sizes is None:
+            return None
+        return self.get(ids)
+
+    def _resize(self, added: Sequence[Node], removed: Sequence[Node] | None) -> None:
+        """Keep the recorded sizes current across one write (``removed``: :meth:`_replaced`)."""
+        if removed is None:
+            self.layer_sizes = None
+            return
         sizes = self._known_sizes()
         for node, step in [*((n, -1) for n in removed), *((n, 1) for n in added)]:
             sizes.extend([0] * (node.layer + 1 - len(sizes)))
@@ -463,15 +476,10 @@ class LlamaIndexNodeStore:
         arr = unit_rows(vectors, len(nodes), self.dim if len(nodes) else None)
         if not nodes:
             return
-        # A store that cannot count keeps its sizes current here (read what is replaced).
-        tracked = not self.backend.listable and self._sizes is not None
-        before = self.get(ids) if tracked else []
+        before = self._replaced(ids)
         self.backend.delete(ids)
         self.backend.add([node_to_text_node(n, v) for n, v in zip(nodes, arr, strict=True)])
-        if tracked:
-            self._resize(added=nodes, removed=before)
-        else:
-            self.layer_sizes = None  # the writer records the new ones (RaptorIndex does)
+        self._resize(added=nodes, removed=before)
         self._count = None
         if self._dim is None:
             self._dim = int(arr.shape[1])
@@ -479,13 +487,9 @@ class LlamaIndexNodeStore:
     def delete(self, ids: Sequence[str]) -> None:
         """Remove the nodes with these ids; unknown ids are ignored."""
         ids = list(dict.fromkeys(ids))
-        tracked = not self.backend.listable and self._sizes is not None
-        before = self.get(ids) if tracked else []
+        before = self._replaced(ids)
         self.backend.delete(ids)
-        if tracked:
-            self._resize(added=[], removed=before)
-        else:
-            self.layer_sizes = None
+        self._resize(added=[], removed=before)
         self._count = None
 
     def add_tree(self, tree: Tree, *, batch_size: int = BATCH) -> None:
