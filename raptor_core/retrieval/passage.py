@@ -565,9 +565,10 @@ class PassageRetriever(TreeRetriever):
         self, vector: NDArray[np.float32], *, k: int, max_tokens: int | None
     ) -> list[Hit]:
         """``scope="found"``: passages among the leaves one search of the store finds."""
+        # The filter leaves carried copies out, as every search of the leaves does.
         where = self.node_filter(layers=frozenset({0}))
         _, m = self._sizes(_leaf_tokens_guess(self.tree), k, max_tokens)
-        found = [x for x in self.store.search(vector, m, where=where) if not is_carried(x.node)]
+        found = self.store.search(vector, m, where=where)
         if not found:
             return []
         # K from the leaves found (the store cannot say what its mean leaf is); a pool
@@ -576,9 +577,7 @@ class PassageRetriever(TreeRetriever):
             float(np.mean([x.node.token_count for x in found])), k, max_tokens
         )
         if wanted > m and len(found) == m:
-            found = [
-                x for x in self.store.search(vector, wanted, where=where) if not is_carried(x.node)
-            ]
+            found = self.store.search(vector, wanted, where=where)
         found = found[:wanted]
         leaves = _Leaves.found([x.node for x in found])
         n = len(found)
