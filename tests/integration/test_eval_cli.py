@@ -117,6 +117,18 @@ PLUGIN = textwrap.dedent(
 )
 
 
+def _raptor(
+    args: list[str], *, env: dict[str, str] | None = None, plugins: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``raptor ARGS`` in a new process, offline; ``plugins``: a folder holding evalplug.py."""
+    full = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    if plugins is not None:
+        full["PYTHONPATH"] = os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")])
+        full["EVAL_GOLD"] = str(plugins / "gold.json")
+    cmd = [sys.executable, "-m", "raptor_core.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=full, timeout=300, check=False)
+
+
 def test_eval_cli_end_to_end(tmp_path: Path) -> None:
     docs, questions, gold = _dataset(tmp_path)
     (tmp_path / "evalplug.py").write_text(PLUGIN, encoding="utf-8")
@@ -141,14 +153,7 @@ def test_eval_cli_end_to_end(tmp_path: Path) -> None:
         "--budgets", "100,400",
         "--out", str(out),
     ]  # fmt: skip
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-        "EVAL_GOLD": str(tmp_path / "gold.json"),
-    }
-    cmd = [sys.executable, "-m", "raptor_core.cli", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    proc = _raptor(args, plugins=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "oracle" in proc.stdout and "evidence" in proc.stdout
 
@@ -191,11 +196,7 @@ def test_eval_cli_llm_summaries_through_an_openai_compatible_server(tmp_path: Pa
             "--chunk-tokens", "40",  # enough leaves for a layer of summaries
             "--out", str(out),
         ]  # fmt: skip
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OPENAI_API_KEY": "sk-test-eval"}
-        cmd = [sys.executable, "-m", "raptor_core.cli", *args]
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, env=env, timeout=300, check=False
-        )
+        proc = _raptor(args, env={"OPENAI_API_KEY": "sk-test-eval"})
         chats = server.requests("chat")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "results.json").read_text(encoding="utf-8"))
@@ -271,17 +272,7 @@ def test_eval_cli_reader_through_an_openai_compatible_server(tmp_path: Path) -> 
             "--reader", "llm",
             "--out", str(out),
         ]  # fmt: skip
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "OPENAI_API_KEY": "sk-test-eval",
-            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-            "EVAL_GOLD": str(tmp_path / "gold.json"),
-        }
-        cmd = [sys.executable, "-m", "raptor_core.cli", *args]
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, env=env, timeout=300, check=False
-        )
+        proc = _raptor(args, env={"OPENAI_API_KEY": "sk-test-eval"}, plugins=tmp_path)
         chats = server.requests("chat")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "results.json").read_text(encoding="utf-8"))
