@@ -119,21 +119,29 @@ class _LeafOrder:
 
 
 class _Leaves:
-    """A store's leaves as passages need them: nodes, tokens, neighbours, a BM25 index.
+    """Leaves as passages need them: nodes, tokens, neighbours, a BM25 index.
 
-    Built by iterating the store once; kept per store (weakly) while the store holds the
-    same number of nodes.
+    :meth:`from_store` reads every leaf of a store once (kept per store, weakly, while the
+    store holds the same number of nodes); :meth:`found` takes the leaves one search found.
     """
 
-    def __init__(self, store: NodeStore) -> None:
-        self.size = len(store)
-        self.nodes = [n for n in store if n.layer == 0 and not is_carried(n)]
-        self.ordinal = {node.id: i for i, node in enumerate(self.nodes)}
-        n = len(self.nodes)
-        self.tokens = np.fromiter((node.token_count for node in self.nodes), np.int64, n)
-        # Neighbours: same doc_id, consecutive by span start; ties keep the store's order.
+    def __init__(self, nodes: list[Node], order: _LeafOrder, size: int) -> None:
+        self.size = size  # the store's node count when read (the cache's staleness check)
+        self.nodes = nodes
+        self.ordinal = {node.id: i for i, node in enumerate(nodes)}
+        self.tokens = np.fromiter((node.token_count for node in nodes), np.int64, len(nodes))
+        self.order = order
+        self._bm25: BM25Index | None = None
+
+    @classmethod
+    def from_store(cls, store: NodeStore) -> _Leaves:
+        """Every leaf of ``store``; neighbours: same ``doc_id``, consecutive by span start."""
+        size = len(store)
+        nodes = [n for n in store if n.layer == 0 and not is_carried(n)]
+        n = len(nodes)
+        # Ties of span start keep the store's order.
         by_doc: dict[str | None, list[tuple[int, int]]] = {}
-        for i, node in enumerate(self.nodes):
+        for i, node in enumerate(nodes):
             start = node.span[0] if node.span is not None else 0
             by_doc.setdefault(node.doc_id, []).append((start, i))
         prev = np.full(n, -1, dtype=np.intp)
@@ -142,18 +150,12 @@ class _Leaves:
             ordered = [i for _, i in sorted(members)]
             prev[ordered[1:]] = ordered[:-1]
             nxt[ordered[:-1]] = ordered[1:]
-        self.order = _LeafOrder(prev=prev, next=nxt)
-        self._bm25: BM25Index | None = None
+        return cls(nodes, _LeafOrder(prev=prev, next=nxt), size)
 
     @classmethod
     def found(cls, nodes: list[Node]) -> _Leaves:
         """The leaves one search found, best first; neighbours by their spans (see module)."""
-        leaves = cls.__new__(cls)
-        leaves.size = len(nodes)
-        leaves.nodes = nodes
-        leaves.ordinal = {node.id: i for i, node in enumerate(nodes)}
         n = len(nodes)
-        leaves.tokens = np.fromiter((node.token_count for node in nodes), np.int64, n)
         by_doc: dict[str, list[tuple[int, int, int]]] = {}
         for i, node in enumerate(nodes):
             if node.doc_id is not None and node.span is not None:
@@ -165,9 +167,7 @@ class _Leaves:
             for (_, end, a), (start, _, b) in itertools.pairwise(members):
                 if 0 <= start - end <= _ADJACENT_GAP:
                     prev[b], nxt[a] = a, b
-        leaves.order = _LeafOrder(prev=prev, next=nxt)
-        leaves._bm25 = None
-        return leaves
+        return cls(nodes, _LeafOrder(prev=prev, next=nxt), n)
 
     @property
     def bm25(self) -> BM25Index:
@@ -185,9 +185,9 @@ def _leaves(store: NodeStore) -> _Leaves:
     try:
         cached = _LEAVES.get(store)
     except TypeError:  # a store that cannot be weakly referenced: no cache
-        return _Leaves(store)
+        return _Leaves.from_store(store)
     if cached is None or cached.size != len(store):
-        cached = _Leaves(store)
+        cached = _Leaves.from_store(store)
         _LEAVES[store] = cached
     return cached
 
