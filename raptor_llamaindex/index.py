@@ -40,6 +40,7 @@ from llama_index.core.storage.storage_context import StorageContext
 from raptor_core.build.builder import ProgressCallback, TreeBuilder, describe
 from raptor_core.build.incremental import TreeUpdate, UpdateReport
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
+from raptor_core.store._format import MAX_DIM
 from raptor_core.store.codec import MAX_LAYERS, checked_layer_sizes, tree_layer_sizes
 from raptor_core.tree import Tree
 from raptor_core.types import LLM, Document, Embedder, Summarizer
@@ -202,6 +203,9 @@ class RaptorIndexStruct(IndexStruct):
     #: nodes per layer, so that opening finds the top layer without a filtered scan of the
     #: vector store (None: written by an older version, the store is asked)
     layer_sizes: Any = None
+    #: the vectors' dimension, so that a caller's embed model is checked on opening even when
+    #: the vector store cannot tell it (no ``get_nodes``); None: empty, or an older version
+    dim: Any = None
 
     @classmethod
     def get_type(cls) -> IndexStructType:
@@ -234,6 +238,15 @@ def _checked_struct(struct: IndexStruct) -> RaptorIndexStruct:
         msg = (
             f"{where}: 'layer_sizes' is not a list of at most {MAX_LAYERS} counts >= 0 "
             "(edited or damaged); remove it to have the vector store asked instead"
+        )
+        raise TreeFormatError(msg)
+    dim = struct.dim
+    if dim is not None and (
+        not isinstance(dim, int) or isinstance(dim, bool) or not 1 <= dim <= MAX_DIM
+    ):
+        msg = (
+            f"{where}: 'dim' is not a vector dimension in 1..{MAX_DIM} (edited or damaged); "
+            "remove it to have the first query check the embed model instead"
         )
         raise TreeFormatError(msg)
     struct.retriever = check_retriever_section(where, struct.retriever)
@@ -370,6 +383,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             docstore=storage_context.docstore,
             params=index_struct.params,
             layer_sizes=None if building else index_struct.layer_sizes,
+            dim=None if building else index_struct.dim,
         )
         if building and not self._store.listable:
             # A store that can neither list nor count (no get_nodes) is taken to be empty, as
@@ -740,6 +754,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         self._index_struct.params = dict(tree.params)
         # After the store's writes, which drop the sizes it knew.
         self._store.layer_sizes = self._index_struct.layer_sizes = tree_layer_sizes(tree)
+        self._index_struct.dim = tree.dim if len(tree) else None
         self._index_struct.documents = (
             None
             if docs is None

@@ -316,6 +316,9 @@ class LlamaIndexNodeStore:
             scans the whole collection for any metadata filter).  Used while they add up to
             the store's count and the store counts cheaply (``SimpleVectorStore``, Chroma),
             else the store is asked; a write drops them (the caller records new ones).
+        dim: the stored vectors' dimension as recorded (RaptorIndex records it), used when
+            the vector store cannot tell it (no ``get_nodes``), so that a caller's embedder
+            is checked before the first query.
 
     Examples:
         >>> from llama_index.core.vector_stores import SimpleVectorStore
@@ -338,12 +341,14 @@ class LlamaIndexNodeStore:
         docstore: BaseDocumentStore | None = None,
         params: Mapping[str, Any] | None = None,
         layer_sizes: Sequence[int] | None = None,
+        dim: int | None = None,
     ) -> None:
         self.vector_store = vector_store
         self.backend = backend_for(vector_store, docstore)
         self.docstore = self.backend.docstore
         self.params: dict[str, Any] = dict(params or {})
         self._dim: int | None = None
+        self.recorded_dim = dim
         self._top: int | None = None
         self._count: int | None = None
         self.layer_sizes = layer_sizes
@@ -433,9 +438,17 @@ class LlamaIndexNodeStore:
 
     @property
     def dim(self) -> int | None:
-        """Vector dimension (None while nothing is stored)."""
+        """Vector dimension (None while nothing is stored, or not known).
+
+        Asked of a store that can list its nodes; else the dimension of this store's own
+        writes, or the one recorded (``dim=``) while the tree holds nodes.
+        """
         if self._dim is None and self.backend.listable:
             self._dim = self.backend.dim()
+        if self._dim is None and not self.backend.listable and self._sizes:
+            recorded = self.recorded_dim
+            if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0:
+                return recorded
         return self._dim
 
     @property

@@ -64,19 +64,34 @@ def check_add(
     return id_list, np.ascontiguousarray(arr / norms, dtype=np.float32)
 
 
+def unit_vector(q: NDArray[np.float32]) -> NDArray[np.float32] | None:
+    """``q`` scaled to unit length, or None when it has no direction (zeros, NaN or inf).
+
+    The square sum is taken in float64, where that of float32 values can neither overflow
+    (float32 tops out near 3.4e38; its square is far below float64's limit) nor underflow
+    to zero: huge or tiny but finite values still give their direction, not zeros or an
+    "all zeros" error.  One product answers every check: ``q . q`` is finite only when every
+    value is, and positive unless all are zero.  (It is also cheaper than np.linalg.norm's
+    dispatch on the query path, which runs right after a search left the CPU caches cold.)
+    """
+    wide = q.astype(np.float64)
+    norm = math.sqrt(float(wide.dot(wide)))
+    if not math.isfinite(norm) or norm == 0.0:
+        return None
+    return (wide / norm).astype(np.float32)
+
+
 def check_query(query: object, dim: int) -> NDArray[np.float32]:
     """Return the query as a unit float32 ``(d,)`` vector or raise InvalidInputError."""
     q = np.asarray(query, dtype=np.float32).reshape(-1)
     if q.shape[0] != dim:
         msg = f"query has dimension {q.shape[0]} but the index holds dimension {dim}"
         raise InvalidInputError(msg)
-    # sqrt(q . q) is what np.linalg.norm computes for a float vector, without its dispatch:
-    # the query path runs right after a search that left the CPU caches cold.
-    norm = float(np.sqrt(q.dot(q)))
-    if not math.isfinite(norm) or norm == 0.0:
+    unit = unit_vector(q)
+    if unit is None:
         msg = "query vector is all zeros or not finite"
         raise InvalidInputError(msg)
-    return q / norm
+    return unit
 
 
 class PositionIndex:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import math
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from raptor_core.backends._vectors import unit_vector
 from raptor_core.exceptions import EmbeddingError, InvalidInputError, InvalidParameterError
 from raptor_core.store.filters import check_where
 from raptor_core.tree import Node, Tree
@@ -119,20 +119,14 @@ def normalize_query(vector: object, dim: int | None) -> NDArray[np.float32]:
             "use the embedder the tree was built with"
         )
         raise EmbeddingError(msg)
-    # One product answers every check of a usable vector: q . q is finite only when every
-    # value is, and positive unless all are zero; its square root is what np.linalg.norm
-    # computes.  Anything else takes the checks below, which name the problem.
-    norm = float(np.sqrt(q.dot(q)))
-    if math.isfinite(norm) and norm > 0.0:
-        return q / norm
+    unit = unit_vector(q)
+    if unit is not None:
+        return unit
     if not np.all(np.isfinite(q)):
         msg = "the embedder returned a query vector with NaN or infinite values"
         raise EmbeddingError(msg)
-    norm = float(np.linalg.norm(q))
-    if norm == 0.0:
-        msg = "the embedder returned an all-zero query vector; cosine similarity is undefined"
-        raise EmbeddingError(msg)
-    return q / norm
+    msg = "the embedder returned an all-zero query vector; cosine similarity is undefined"
+    raise EmbeddingError(msg)
 
 
 def fill_budget(

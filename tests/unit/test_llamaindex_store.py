@@ -646,6 +646,20 @@ def test_an_index_over_a_store_that_can_only_be_searched(tmp_path: Path) -> None
         embed_model=FakeEmbedder(32),
     )
     assert len(reopened.store) == len(index.tree)
+    # So does the dimension, which the store cannot tell: a wrong embed model is refused on
+    # opening, not at the first query.
+    assert index.index_struct.dim == index.tree.dim == reopened.store.dim
+    stored = type(index.index_struct).from_dict(index.index_struct.to_dict())
+    assert stored.dim == index.tree.dim
+    with pytest.raises(InvalidParameterError, match="dimensions"):
+        RaptorIndex(
+            index_struct=stored,
+            storage_context=index.storage_context,
+            embed_model=FakeEmbedder(16),
+        )
+    stored.dim = "32"
+    with pytest.raises(TreeFormatError, match="'dim' is not a vector dimension"):
+        RaptorIndex(index_struct=stored, storage_context=index.storage_context)
     again = reopened.as_retriever(similarity_top_k=100, strategy="passage", max_tokens=60)
     assert [n.node.node_id for n in again.retrieve("rockets and orbit")] == [
         h.id for h in on_tree.retrieve("rockets and orbit")
