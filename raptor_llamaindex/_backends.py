@@ -414,7 +414,8 @@ class ChromaBackend(GenericBackend):
         # The dimension chromadb records with the collection: any get, count or query would
         # load the collection's segments first, its whole HNSW index included (2.5 s and
         # 2 GB at 1M nodes), which the first search does anyway.
-        known = getattr(getattr(self.collection, "_model", None), "dimension", None)
+        model = getattr(self.collection, "get_model", None)
+        known = getattr(model(), "dimension", None) if callable(model) else None
         if isinstance(known, int) and not isinstance(known, bool) and known > 0:
             return known
         got = self.collection.get(limit=1, include=["embeddings"])
