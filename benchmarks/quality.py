@@ -24,6 +24,12 @@ Usage:
     python benchmarks/quality.py --limit-docs 0 --limit-questions 0    # everything
     python benchmarks/quality.py --sets qasper --limit-docs 3
     python benchmarks/quality.py --data /path/to/shared/data          # data elsewhere
+    python benchmarks/quality.py --data DIR --sets all --limit-docs 0 --limit-questions 0
+
+A set of another name (``--sets mine`` reads ``mine_docs.jsonl`` and ``mine.jsonl``, in the
+format of ../shared/data/README.md; ``--sets all`` takes every such pair in ``--data``) is
+scored by the gold signal its questions carry: evidence passages (evidence recall), sections
+or turn spans (span recall), else answer strings (answer recall).
 
 Writes benchmarks/results/quality.md, quality.json, quality.png and
 quality/<set>/{results.json,recall.png}; trees are cached in benchmarks/results/cache, so a
@@ -66,6 +72,42 @@ WHAT = {
 }
 
 
+#: Reduced-run limits for a set not listed in SETS.
+OTHER_SET_LIMITS = (8, 40)
+
+
+def _inferred_spec(questions: list[Any]) -> tuple[list[str], str, int, int] | None:
+    """SETS' entry for a set of another name, from the gold signal its questions carry.
+
+    The strongest signal decides the primary metric: evidence passages, then gold sections
+    or turn spans, then answer strings (None: nothing to score without a reader model).
+    """
+    answers = any(q.answers for q in questions)
+    if any(q.options for q in questions):
+        # Multiple choice (QuALITY): its answer strings are options, which a context holds
+        # whether or not it supports them; only a reader model scores it.
+        answers = False
+    if any(q.evidence for q in questions):
+        metrics = ["evidence_recall", *(["answer_recall"] if answers else [])]
+    elif any(q.evidence_sections or q.evidence_turn_spans for q in questions):
+        metrics = ["span_recall", "answer_recall" if answers else "span_precision"]
+    elif answers:
+        metrics = ["answer_recall"]
+    else:
+        return None
+    return metrics, metrics[0], *OTHER_SET_LIMITS
+
+
+def _discover(data: Path) -> list[str]:
+    """Every set in ``data``: a ``<name>_docs.jsonl`` with its ``<name>.jsonl``, known sets first."""
+    found = sorted(
+        p.name.removesuffix("_docs.jsonl")
+        for p in data.glob("*_docs.jsonl")
+        if (data / (p.name.removesuffix("_docs.jsonl") + ".jsonl")).is_file()
+    )
+    return [s for s in SETS if s in found] + [s for s in found if s not in SETS]
+
+
 def _limit(value: int | None) -> int | None:
     return None if value is not None and value <= 0 else value
 
@@ -74,7 +116,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--sets", default=",".join(SETS), help="comma-separated sets")
+    parser.add_argument(
+        "--sets",
+        default=",".join(SETS),
+        help="comma-separated sets, or 'all' for every <name>_docs.jsonl + <name>.jsonl in --data",
+    )
     parser.add_argument(
         "--limit-docs", type=int, default=None, help="documents per set (0 = all; default per set)"
     )
@@ -107,9 +153,19 @@ def main() -> int:
     from raptor_core.evaluation.runner import environment
 
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
-    unknown = [s for s in sets if s not in SETS]
+    if sets == ["all"]:
+        sets = _discover(data)
+    unknown = [
+        s
+        for s in sets
+        if s not in SETS
+        and not ((data / f"{s}_docs.jsonl").is_file() and (data / f"{s}.jsonl").is_file())
+    ]
     if unknown:
-        parser.error(f"unknown sets {unknown}; choose from {', '.join(SETS)}")
+        parser.error(
+            f"unknown sets {unknown}: neither one of {', '.join(SETS)} nor a "
+            f"<name>_docs.jsonl and <name>.jsonl pair in {data}"
+        )
     budgets = [int(b) for b in args.budgets.split(",")]
     retrievers = None if args.retrievers is None else args.retrievers.split(",")
     out = Path(args.out)
@@ -118,13 +174,22 @@ def main() -> int:
     results = {}
     seconds: dict[str, float] = {}
     for name in sets:
-        metrics, _primary, n_docs, n_questions = SETS[name]
         docs_path, questions_path = data / f"{name}_docs.jsonl", data / f"{name}.jsonl"
         if not docs_path.is_file() or not questions_path.is_file():
             print(f"{name}: {docs_path.name} or {questions_path.name} missing, skipped")
             continue
         docs = load_documents(docs_path)
         questions = load_questions(questions_path, docs)
+        if name not in SETS:
+            spec = _inferred_spec(questions)
+            if spec is None:
+                print(
+                    f"{name}: no evidence, spans or (non multiple-choice) answers to score "
+                    "without a reader model, skipped (raptor eval --reader llm scores it)"
+                )
+                continue
+            SETS[name] = spec  # the report below reads every set's metrics from SETS
+        _metrics, _primary, n_docs, n_questions = SETS[name]
         limit_docs = n_docs if args.limit_docs is None else _limit(args.limit_docs)
         limit_questions = (
             n_questions if args.limit_questions is None else _limit(args.limit_questions)
