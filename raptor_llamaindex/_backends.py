@@ -8,6 +8,8 @@ the nodes.  A *backend* is the small piece that does this for one store:
 * :class:`SimpleBackend` for ``SimpleVectorStore`` (vectors in its dictionaries, texts in
   the docstore beside it);
 * :class:`ChromaBackend` for ``ChromaVectorStore`` (vectors read back from its collection);
+* :class:`FaissBackend` for ``FaissVectorStore`` and ``FaissMapVectorStore`` (vectors in a
+  FAISS index that knows no node ids, texts and the id of each vector in the docstore);
 * :class:`GenericBackend` for any other store, through the public API only.
 
 A backend never sees a :class:`~raptor_core.tree.Node`: the store encodes nodes as
@@ -17,7 +19,7 @@ LlamaIndex ``TextNode`` objects and decodes what a backend returns.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +43,9 @@ from raptor_core.store.vectors import nearest_rows
 __all__ = [
     "BATCH",
     "EXACT_QUERY_FROM",
+    "FAISS_LABEL_KEY",
     "ChromaBackend",
+    "FaissBackend",
     "GenericBackend",
     "Row",
     "SimpleBackend",
@@ -186,46 +190,39 @@ def _layer(meta: Mapping[str, Any] | None) -> int:
     return int(value)
 
 
-class SimpleBackend(GenericBackend):
-    """``SimpleVectorStore``: vectors and metadata in its dictionaries, texts in the docstore.
+class _MatrixBackend(GenericBackend):
+    """A backend that searches exactly over one matrix of the stored vectors, kept between writes.
 
-    Searches compute what ``SimpleVectorStore.query`` computes (exact cosine over its
-    embedding dictionary, filters through LlamaIndex's own filter function), but over one
-    numpy matrix and boolean masks kept between writes: its ``query`` turns every stored
-    list into an array on every call, ten times slower at a few thousand nodes.  The cache
-    is keyed on the dictionary's identity and size and on our own writes, so nodes added
-    through LlamaIndex's API are seen too.
+    Subclasses say what the matrix holds (:meth:`_matrix`: node ids in row order and unit
+    rows) and where each node's metadata is (:meth:`_metadata`); filters are evaluated by
+    LlamaIndex's own filter function once per filter and kept as boolean masks.
     """
 
-    nested = False  # its filter function refuses nested MetadataFilters
+    nested = False  # LlamaIndex's filter function refuses nested MetadataFilters
     has_vectors = True
     cheap_count = True
-    live_count = True
-    vector_store: SimpleVectorStore
 
-    def __init__(self, vector_store: SimpleVectorStore, docstore: BaseDocumentStore) -> None:
+    def __init__(self, vector_store: BasePydanticVectorStore, docstore: BaseDocumentStore) -> None:
         super().__init__(vector_store, docstore)
         self._writes = 0
         self._cache: tuple[Any, list[str], NDArray[np.float32]] | None = None
         self._masks: dict[str, NDArray[np.bool_]] = {}
 
-    def add(self, nodes: Sequence[TextNode]) -> None:
-        super().add(nodes)
-        self._writes += 1
-
-    def delete(self, ids: Sequence[str]) -> None:
-        super().delete(ids)
-        self._writes += 1
-
     def _matrix(self) -> tuple[list[str], NDArray[np.float32]]:
-        data = self.vector_store.data.embedding_dict
-        key = (id(data), len(data), self._writes)
+        raise NotImplementedError
+
+    def _metadata(self) -> Mapping[str, Mapping[str, Any]]:
+        raise NotImplementedError
+
+    def _cached(
+        self, key: Any, build: Callable[[], tuple[list[str], NDArray[np.float32]]]
+    ) -> tuple[list[str], NDArray[np.float32]]:
+        """The matrix for ``key``, built (and normalised) again when the key changed."""
         if self._cache is None or self._cache[0] != key:
-            ids = list(data)
-            matrix = np.asarray([data[i] for i in ids], dtype=np.float32).reshape(len(ids), -1)
+            order, matrix = build()
             norms = np.linalg.norm(matrix, axis=1, keepdims=True)
             norms[norms == 0] = 1.0
-            self._cache = (key, ids, matrix / norms)
+            self._cache = (key, order, matrix / norms)
             self._masks.clear()
         return self._cache[1], self._cache[2]
 
@@ -240,7 +237,7 @@ class SimpleBackend(GenericBackend):
             key = filters.model_dump_json()
             mask = self._masks.get(key)
             if mask is None:
-                metas = self.vector_store.data.metadata_dict or {}
+                metas = self._metadata()
                 passes = build_metadata_filter_fn(lambda i: metas.get(i, {}), filters)
                 mask = np.fromiter((passes(i) for i in order), dtype=np.bool_, count=len(order))
                 self._masks[key] = mask
@@ -260,6 +257,41 @@ class SimpleBackend(GenericBackend):
         best = top_rows(scores, min(m, scores.shape[0]))
         positions = best if rows is None else rows[best]
         return [(order[p], float(scores[b])) for p, b in zip(positions, best, strict=True)]
+
+
+class SimpleBackend(_MatrixBackend):
+    """``SimpleVectorStore``: vectors and metadata in its dictionaries, texts in the docstore.
+
+    Searches compute what ``SimpleVectorStore.query`` computes (exact cosine over its
+    embedding dictionary, filters through LlamaIndex's own filter function), but over one
+    numpy matrix and boolean masks kept between writes: its ``query`` turns every stored
+    list into an array on every call, ten times slower at a few thousand nodes.  The cache
+    is keyed on the dictionary's identity and size and on our own writes, so nodes added
+    through LlamaIndex's API are seen too.
+    """
+
+    live_count = True
+    vector_store: SimpleVectorStore
+
+    def add(self, nodes: Sequence[TextNode]) -> None:
+        super().add(nodes)
+        self._writes += 1
+
+    def delete(self, ids: Sequence[str]) -> None:
+        super().delete(ids)
+        self._writes += 1
+
+    def _matrix(self) -> tuple[list[str], NDArray[np.float32]]:
+        data = self.vector_store.data.embedding_dict
+
+        def build() -> tuple[list[str], NDArray[np.float32]]:
+            ids = list(data)
+            return ids, np.asarray([data[i] for i in ids], dtype=np.float32).reshape(len(ids), -1)
+
+        return self._cached((id(data), len(data), self._writes), build)
+
+    def _metadata(self) -> Mapping[str, Mapping[str, Any]]:
+        return self.vector_store.data.metadata_dict or {}
 
     def fetch(self, ids: Sequence[str]) -> list[Row]:
         assert self.docstore is not None
@@ -425,6 +457,166 @@ class ChromaBackend(GenericBackend):
         return len(embeddings[0])
 
 
+#: The docstore metadata key holding the FAISS label (the vector's id inside the FAISS
+#: index) of each node a :class:`FaissBackend` wrote.
+FAISS_LABEL_KEY = "raptor_faiss_label"
+
+
+class FaissBackend(_MatrixBackend):
+    """``FaissVectorStore`` / ``FaissMapVectorStore``: a FAISS index beside the docstore.
+
+    The FAISS index holds vectors under integer labels and nothing else: the plain store
+    answers a search with labels, not node ids, and neither integration filters, lists or
+    (the plain one) deletes.  So the docstore, which holds the texts, also records each
+    node's label (``FAISS_LABEL_KEY`` in its metadata there), and this backend:
+
+    * lists and counts the tree from the docstore (a reopened index finds its labels there);
+    * searches exactly, over the stored vectors read back from FAISS (``reconstruct``) into
+      one matrix kept between writes, with filters checked by LlamaIndex's filter function,
+      as :class:`SimpleBackend` does;
+    * deletes from the docstore only: the vector stays in the FAISS index, unlabelled and
+      never returned again.  The plain integration cannot delete at all, and the map one
+      reuses labels after a delete (it numbers by the index's size), which would point two
+      nodes at one label.  An index updated often grows by the vectors it replaced; build
+      it again to compact it.
+
+    The index must be able to return its vectors (``IndexFlatIP``, ``IndexFlatL2``,
+    ``IndexHNSWFlat``, an ``IndexIDMap2`` around one of them); others fail with a clear
+    error on the first search.
+    """
+
+    def __init__(self, vector_store: BasePydanticVectorStore, docstore: BaseDocumentStore) -> None:
+        super().__init__(vector_store, docstore)
+        self._labels: dict[str, int] | None = None  # node id -> FAISS label
+        self._metas: dict[str, Mapping[str, Any]] = {}
+        # Row of each node id in the cached matrix, for the matrix's order (by identity).
+        self._row_of: tuple[list[str], dict[str, int]] | None = None
+
+    @property
+    def index(self) -> Any:
+        return self.vector_store.client
+
+    def _known(self) -> dict[str, int]:
+        """Node id -> label of every node this backend's docstore records (read once)."""
+        if self._labels is None:
+            assert self.docstore is not None
+            labels: dict[str, int] = {}
+            for node_id, node in self.docstore.docs.items():
+                label = (node.metadata or {}).get(FAISS_LABEL_KEY)
+                if isinstance(label, int) and not isinstance(label, bool) and label >= 0:
+                    labels[str(node_id)] = label
+                    self._metas[str(node_id)] = node.metadata
+            self._labels = labels
+        return self._labels
+
+    def add(self, nodes: Sequence[TextNode]) -> None:
+        known = self._known()
+        first = int(self.index.ntotal)
+        # Both integrations label the i-th vector of a call with the index's size plus i.
+        labelled = [
+            n.model_copy(update={"metadata": {**n.metadata, FAISS_LABEL_KEY: first + i}})
+            for i, n in enumerate(nodes)
+        ]
+        self.vector_store.add(list(nodes))
+        if int(self.index.ntotal) != first + len(nodes):
+            msg = (
+                f"the FAISS index holds {int(self.index.ntotal)} vectors after adding "
+                f"{len(nodes)} to {first}: another writer used it meanwhile"
+            )
+            raise InvalidParameterError(msg)
+        assert self.docstore is not None
+        plain = [n.model_copy(update={"embedding": None}) for n in labelled]
+        self.docstore.add_documents(plain, allow_update=True)
+        for node in plain:
+            known[node.node_id] = int(node.metadata[FAISS_LABEL_KEY])
+            self._metas[node.node_id] = node.metadata
+        self._writes += 1
+
+    def delete(self, ids: Sequence[str]) -> None:
+        known = self._known()
+        assert self.docstore is not None
+        for node_id in ids:
+            if known.pop(node_id, None) is not None:
+                self._metas.pop(node_id, None)
+                self.docstore.delete_document(node_id, raise_error=False)
+        self._writes += 1
+
+    def _matrix(self) -> tuple[list[str], NDArray[np.float32]]:
+        known = self._known()
+
+        def build() -> tuple[list[str], NDArray[np.float32]]:
+            order = list(known)
+            labels = np.fromiter((known[i] for i in order), dtype=np.int64, count=len(order))
+            return order, self._vectors(labels)
+
+        return self._cached((int(self.index.ntotal), len(known), self._writes), build)
+
+    def _metadata(self) -> Mapping[str, Mapping[str, Any]]:
+        self._known()
+        return self._metas
+
+    def _vectors(self, labels: NDArray[np.int64]) -> NDArray[np.float32]:
+        index = self.index
+        if labels.size == 0:
+            return np.zeros((0, int(index.d)), dtype=np.float32)
+        try:
+            if hasattr(index, "id_map"):  # IndexIDMap(2): labels are ids, not positions
+                return np.asarray(index.reconstruct_batch(labels), dtype=np.float32)
+            return np.asarray(index.reconstruct_n(0, int(index.ntotal)), dtype=np.float32)[labels]
+        except RuntimeError as exc:
+            msg = (
+                f"this FAISS index ({type(index).__name__}) cannot return its stored vectors, "
+                "which a RAPTOR tree reads to score exactly: use IndexFlatIP, IndexFlatL2, "
+                f"IndexHNSWFlat or IndexIDMap2 around one of them ({exc})"
+            )
+            raise InvalidParameterError(msg) from exc
+
+    def fetch(self, ids: Sequence[str]) -> list[Row]:
+        assert self.docstore is not None
+        known = self._known()
+        present = [i for i in ids if i in known]
+        if not present:
+            return []
+        order, matrix = self._matrix()
+        if self._row_of is None or self._row_of[0] is not order:
+            self._row_of = (order, {node_id: r for r, node_id in enumerate(order)})
+        row_of = self._row_of[1]
+        found = self.docstore.get_nodes(present, raise_error=False)
+        return [Row(n, matrix[row_of[n.node_id]]) for n in found if n is not None]
+
+    @property
+    def listable(self) -> bool:
+        """The docstore lists the nodes."""
+        return True
+
+    def scan(self) -> Iterator[BaseNode]:
+        assert self.docstore is not None
+        ids = list(self._known())
+        for start in range(0, len(ids), BATCH):
+            for node in self.docstore.get_nodes(ids[start : start + BATCH], raise_error=False):
+                if node is not None:
+                    yield node
+
+    def count(self) -> int:
+        return len(self._known())
+
+    def max_layer(self) -> int:
+        self._known()
+        return max((_layer(m) for m in self._metas.values()), default=-1)
+
+    def dim(self) -> int | None:
+        return int(self.index.d) if self._known() else None
+
+
+def _is_faiss(vector_store: object) -> bool:
+    # Decided by class, without importing the integration for users who do not have it.
+    return any(
+        cls.__module__.startswith("llama_index.vector_stores.faiss")
+        and cls.__name__ in {"FaissVectorStore", "FaissMapVectorStore"}
+        for cls in type(vector_store).__mro__
+    )
+
+
 def backend_for(
     vector_store: BasePydanticVectorStore, docstore: BaseDocumentStore | None
 ) -> GenericBackend:
@@ -432,6 +624,8 @@ def backend_for(
         return SimpleBackend(vector_store, docstore or SimpleDocumentStore())
     if vector_store.class_name() == "ChromaVectorStore":
         return ChromaBackend(vector_store, None)
+    if _is_faiss(vector_store):
+        return FaissBackend(vector_store, docstore or SimpleDocumentStore())
     if not vector_store.stores_text and docstore is None:
         docstore = SimpleDocumentStore()
     return GenericBackend(vector_store, docstore if not vector_store.stores_text else None)

@@ -16,6 +16,7 @@ import itertools
 import re
 from typing import Any
 
+import faiss
 import numpy as np
 import pytest
 
@@ -26,6 +27,7 @@ from llama_index.core import Document, StorageContext, load_index_from_storage
 from llama_index.core.schema import NodeRelationship
 from llama_index.core.vector_stores import MetadataFilter, MetadataFilters, SimpleVectorStore
 from llama_index.vector_stores.chroma import ChromaVectorStore
+from llama_index.vector_stores.faiss import FaissVectorStore
 
 from raptor_core.build.builder import TreeBuilder
 from raptor_core.retrieval.registry import make_retriever
@@ -163,7 +165,11 @@ def test_same_answers_everywhere(
     server = LlamaIndexNodeStore(
         chroma_store(chroma_server.client(), collection_name("essays"), "cosine")
     )
-    for store in (simple, embedded, server):
+    # LlamaIndex's FAISS integration (a real FAISS index, labels mapped through the docstore).
+    faiss_store = LlamaIndexNodeStore(
+        FaissVectorStore(faiss_index=faiss.IndexFlatL2(essay_tree.dim))
+    )
+    for store in (simple, embedded, server, faiss_store):
         store.add_tree(essay_tree)
     sources: dict[str, Any] = {
         "tree": essay_tree,
@@ -171,6 +177,7 @@ def test_same_answers_everywhere(
         "SimpleVectorStore": simple,
         "Chroma embedded": embedded,
         "Chroma server": server,
+        "FaissVectorStore": faiss_store,
     }
     assert sum(len(essay_tree.layer(i)) for i in range(essay_tree.num_layers)) > 30
     for question in QUESTIONS:

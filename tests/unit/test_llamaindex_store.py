@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import faiss
 import numpy as np
 import pytest
 
@@ -37,6 +38,7 @@ from llama_index.core.vector_stores.types import (
     VectorStoreQueryResult,
 )
 from llama_index.core.vector_stores.utils import build_metadata_filter_fn
+from llama_index.vector_stores.faiss import FaissMapVectorStore, FaissVectorStore
 
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
 from raptor_core.retrieval.registry import make_retriever
@@ -106,6 +108,19 @@ def answers(index: Any, query: str, **kwargs: Any) -> list[tuple[str, float]]:
 class TestSimpleVectorStoreNodeStore(NodeStoreTests):
     def make_store(self) -> LlamaIndexNodeStore:
         return LlamaIndexNodeStore(SimpleVectorStore())
+
+
+class TestFaissVectorStoreNodeStore(NodeStoreTests):
+    """LlamaIndex's FAISS integration: labels, not ids, from a real FAISS index."""
+
+    def make_store(self) -> LlamaIndexNodeStore:
+        return LlamaIndexNodeStore(FaissVectorStore(faiss_index=faiss.IndexFlatL2(self.dim)))
+
+
+class TestFaissMapVectorStoreNodeStore(NodeStoreTests):
+    def make_store(self) -> LlamaIndexNodeStore:
+        index = faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim))
+        return LlamaIndexNodeStore(FaissMapVectorStore(faiss_index=index))
 
 
 class QueryOnlyVectorStore(BasePydanticVectorStore):
@@ -349,6 +364,73 @@ def test_build_into_a_given_storage_context_and_reload(tmp_path: Path) -> None:
     loaded.insert(extra)
     index.insert(extra)
     assert [n.to_dict() for n in loaded.tree.nodes] == [n.to_dict() for n in index.tree.nodes]
+
+
+def test_an_index_in_a_faiss_vector_store_reloads_and_updates(tmp_path: Path) -> None:
+    # FaissVectorStore answers with FAISS labels and keeps no ids, texts or metadata; the
+    # docstore records each node's label, so a reloaded index searches, lists and updates.
+    vector_store = FaissVectorStore(faiss_index=faiss.IndexFlatL2(32))
+    context = StorageContext.from_defaults(vector_store=vector_store)
+    index = RaptorIndex.from_documents(documents(), storage_context=context, **options())
+    assert vector_store.client.ntotal == len(index.tree)
+    query = "cats sleep in the sun"
+    on_tree = [
+        (h.id, round(h.score, 6))
+        for h in make_retriever("collapsed", index.tree, index.embedder, k=4).retrieve(query)
+    ]
+    assert answers(index, query, similarity_top_k=4) == on_tree
+    index.storage_context.persist(persist_dir=tmp_path)
+
+    def reopen() -> RaptorIndex:
+        loaded = load_index_from_storage(
+            StorageContext.from_defaults(
+                vector_store=FaissVectorStore.from_persist_dir(str(tmp_path)),
+                persist_dir=tmp_path,
+            ),
+            embed_model=FakeEmbedder(32),
+            summarizer=EchoSummarizer(),
+            tokenizer=WhitespaceTokenizer(),
+            clusterer=GroupClusterer(2),
+        )
+        assert isinstance(loaded, RaptorIndex)
+        return loaded
+
+    loaded = reopen()
+    assert answers(loaded, query, similarity_top_k=4) == on_tree
+    assert [n.to_dict() for n in loaded.tree.nodes] == [n.to_dict() for n in index.tree.nodes]
+    for strategy in ("passage", "traversal", "value"):
+        got = answers(loaded, query, similarity_top_k=6, strategy=strategy, max_tokens=40)
+        assert got == answers(index, query, similarity_top_k=6, strategy=strategy, max_tokens=40)
+    # Updates: FAISS cannot delete, so replaced vectors stay in the index unlabelled and are
+    # never returned; the tree is the one the in-memory index gets.
+    extra = Document(text="Volcanoes erupt lava. Magma rises from the mantle.", id_="volcano")
+    loaded.insert(extra)
+    loaded.delete_ref_doc("cats")
+    reference = RaptorIndex.from_documents(documents(), **options())
+    reference.insert(extra)
+    reference.delete_ref_doc("cats")
+    assert [n.to_dict() for n in loaded.tree.nodes] == [n.to_dict() for n in reference.tree.nodes]
+    assert loaded.storage_context.vector_store.client.ntotal > len(loaded.tree)
+    for query in ("volcanoes erupt lava", "cats sleep in the sun", "bread"):
+        assert answers(loaded, query, similarity_top_k=5) == answers(
+            reference, query, similarity_top_k=5
+        )
+    loaded.storage_context.persist(persist_dir=tmp_path)
+    again = reopen()
+    assert {n.id for n in again.store} == {n.id for n in reference.tree.nodes}
+    assert answers(again, "volcanoes erupt lava", similarity_top_k=5) == answers(
+        reference, "volcanoes erupt lava", similarity_top_k=5
+    )
+
+
+def test_a_faiss_index_that_cannot_return_its_vectors_is_refused_clearly() -> None:
+    # IndexIDMap (unlike IndexIDMap2) cannot reconstruct a vector from its id.
+    index = faiss.IndexIDMap(faiss.IndexFlatIP(32))
+    store = LlamaIndexNodeStore(FaissMapVectorStore(faiss_index=index))
+    tree = store_tree(32)
+    store.add_tree(tree)
+    with pytest.raises(InvalidParameterError, match="cannot return its stored vectors"):
+        store.search(tree.embeddings[0], 3)
 
 
 def test_the_recorded_embedder_is_recreated_on_load(tmp_path: Path) -> None:
