@@ -10,6 +10,8 @@ the nodes.  A *backend* is the small piece that does this for one store:
 * :class:`ChromaBackend` for ``ChromaVectorStore`` (vectors read back from its collection);
 * :class:`FaissBackend` for ``FaissVectorStore`` and ``FaissMapVectorStore`` (vectors in a
   FAISS index that knows no node ids, texts and the id of each vector in the docstore);
+* :class:`QdrantBackend` for ``QdrantVectorStore`` (point ids must be UUIDs; listed by
+  scrolling the collection in pages);
 * :class:`GenericBackend` for any other store, through the public API only.
 
 A backend never sees a :class:`~raptor_core.tree.Node`: the store encodes nodes as
@@ -19,6 +21,7 @@ LlamaIndex ``TextNode`` objects and decodes what a backend returns.
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,9 +47,11 @@ __all__ = [
     "BATCH",
     "EXACT_QUERY_FROM",
     "FAISS_LABEL_KEY",
+    "NODE_ID_KEY",
     "ChromaBackend",
     "FaissBackend",
     "GenericBackend",
+    "QdrantBackend",
     "Row",
     "SimpleBackend",
     "backend_for",
@@ -91,6 +96,8 @@ class GenericBackend:
     #: the store takes nested MetadataFilters (not every integration does: only flat
     #: conditions are pushed down to an unknown store, the rest is checked in Python)
     nested = False
+    #: the store's ``!=`` and ``nin`` pass a node without the key (as the core's do)
+    negations = True
     #: the store returns vectors (else scores are the store's own similarities)
     has_vectors = False
     #: any metadata filter makes the store scan the collection before its vector search
@@ -608,6 +615,142 @@ class FaissBackend(_MatrixBackend):
         return int(self.index.d) if self._known() else None
 
 
+#: The metadata key holding a node's own id where the store needs ids of another form
+#: (Qdrant: UUIDs), so that the node reads back under the id the tree gave it.
+NODE_ID_KEY = "raptor_id"
+#: Store ids of nodes in a store that takes UUIDs only: a name-based UUID (version 5) of
+#: the node id, so the same node always lands on the same point (upserts replace it).
+_UUID_NAMESPACE = uuid.UUID("6f1c4d2e-8a3b-5c7d-9e0f-1a2b3c4d5e6f")
+
+
+def uuid_for(node_id: str) -> str:
+    """The UUID a node is stored under in a store that takes UUIDs only.
+
+    Examples:
+        >>> uuid_for("L0-abc") == uuid_for("L0-abc") != uuid_for("L0-abd")
+        True
+    """
+    return str(uuid.uuid5(_UUID_NAMESPACE, node_id))
+
+
+class QdrantBackend(GenericBackend):
+    """``QdrantVectorStore``: a Qdrant collection (server, or ``QdrantClient(":memory:")``/``path=``).
+
+    Qdrant takes point ids that are UUIDs or integers only, and the tree's ids are neither
+    (``"L0-1a2b..."``): each node is stored under :func:`uuid_for` its id, with its own id
+    in ``NODE_ID_KEY``, and reads back under its own id.  The integration lists at most
+    9,999 points (``get_nodes`` without ids) and creates its collection on the first add,
+    so the collection is scrolled here in pages, and a collection that does not exist yet
+    is an empty store.  Stored vectors come back with every read (exact scores); filters
+    are pushed down as flat ``and`` conditions.
+    """
+
+    has_vectors = True
+    cheap_count = True
+    negations = False  # MatchExcept: a point without the key never passes
+    # The integration is optional: its attributes (collection_name, ...) are not typed here.
+    vector_store: Any
+
+    def _exists(self) -> bool:
+        return bool(self.vector_store.client.collection_exists(self.vector_store.collection_name))
+
+    @staticmethod
+    def _restored(node: BaseNode) -> BaseNode:
+        own = (node.metadata or {}).get(NODE_ID_KEY)
+        return node if not isinstance(own, str) else node.model_copy(update={"id_": own})
+
+    def add(self, nodes: Sequence[TextNode]) -> None:
+        stored = [
+            n.model_copy(
+                update={
+                    "id_": uuid_for(n.node_id),
+                    "metadata": {**n.metadata, NODE_ID_KEY: n.node_id},
+                }
+            )
+            for n in nodes
+        ]
+        for start in range(0, len(stored), BATCH):
+            self.vector_store.add(stored[start : start + BATCH])
+
+    def delete(self, ids: Sequence[str]) -> None:
+        if ids and self._exists():
+            for start in range(0, len(ids), BATCH):
+                chunk = ids[start : start + BATCH]
+                self.vector_store.delete_nodes(node_ids=[uuid_for(i) for i in chunk])
+
+    def fetch(self, ids: Sequence[str]) -> list[Row]:
+        if not ids or not self._exists():
+            return []
+        rows: list[Row] = []
+        for start in range(0, len(ids), BATCH):
+            chunk = [uuid_for(i) for i in ids[start : start + BATCH]]
+            for node in self.vector_store.get_nodes(node_ids=chunk):
+                rows.append(Row(self._restored(node), _vector(node.embedding)))
+        return rows
+
+    def query(
+        self, q: NDArray[np.float32], m: int, filters: MetadataFilters | None, ids: Any = None
+    ) -> list[tuple[str, float]]:
+        if not self._exists():
+            return []
+        result = self.vector_store.query(
+            VectorStoreQuery(
+                query_embedding=[float(x) for x in q],
+                similarity_top_k=m,
+                filters=filters,
+                node_ids=None if ids is None else [uuid_for(i) for i in ids],
+            )
+        )
+        nodes = [self._restored(n) for n in result.nodes or []]
+        sims = result.similarities or [math.nan] * len(nodes)
+        return [(n.node_id, float(s)) for n, s in zip(nodes, sims, strict=False)]
+
+    @property
+    def listable(self) -> bool:
+        """The collection is scrolled in pages."""
+        return True
+
+    def scan(self) -> Iterator[BaseNode]:
+        if not self._exists():
+            return
+        client, name = self.vector_store.client, self.vector_store.collection_name
+        offset = None
+        while True:
+            points, offset = client.scroll(
+                collection_name=name, limit=BATCH, offset=offset, with_payload=True
+            )
+            for node in self.vector_store.parse_to_query_result(points).nodes or []:
+                yield self._restored(node)
+            if offset is None:
+                return
+
+    def count(self) -> int:
+        if not self._exists():
+            return 0
+        name = self.vector_store.collection_name
+        return int(self.vector_store.client.count(collection_name=name, exact=True).count)
+
+    def max_layer(self) -> int:
+        return max((_layer(n.metadata) for n in self.scan()), default=-1)
+
+    def dim(self) -> int | None:
+        first = next(iter(self.scan()), None)
+        if first is None:
+            return None
+        for row in self.fetch([first.node_id]):
+            if row.vector is not None:
+                return int(row.vector.shape[0])
+        return None
+
+
+def _is_qdrant(vector_store: object) -> bool:
+    return any(
+        cls.__module__.startswith("llama_index.vector_stores.qdrant")
+        and cls.__name__ == "QdrantVectorStore"
+        for cls in type(vector_store).__mro__
+    )
+
+
 def _is_faiss(vector_store: object) -> bool:
     # Decided by class, without importing the integration for users who do not have it.
     return any(
@@ -626,6 +769,8 @@ def backend_for(
         return ChromaBackend(vector_store, None)
     if _is_faiss(vector_store):
         return FaissBackend(vector_store, docstore or SimpleDocumentStore())
+    if _is_qdrant(vector_store):
+        return QdrantBackend(vector_store, None)
     if not vector_store.stores_text and docstore is None:
         docstore = SimpleDocumentStore()
     return GenericBackend(vector_store, docstore if not vector_store.stores_text else None)

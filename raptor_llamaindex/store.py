@@ -252,25 +252,27 @@ def _li_condition(field: str, op: str, value: Any) -> MetadataFilter | None:
 
 
 def _li_filters(
-    where: Mapping[str, Any], nested: bool
+    where: Mapping[str, Any], nested: bool, negations: bool = True
 ) -> tuple[list[MetadataFilter | MetadataFilters], bool]:
     """A core filter as a list of LlamaIndex filters to AND, and whether it is exact.
 
     The list passes at least what ``where`` passes; parts without a twin are left out (the
     caller checks them in Python).  ``nested``: the store takes nested ``MetadataFilters``
-    (needed for ``$or``).
+    (needed for ``$or``).  ``negations``: the store's ``!=``/``nin`` pass a node without
+    the key, as the core's ``$ne``/``$nin`` do (Qdrant's require the key: a summary over
+    documents that disagree on it would be dropped).
     """
     parts: list[MetadataFilter | MetadataFilters] = []
     exact = True
     for key, condition in where.items():
         if key == "$and":
             for sub in condition:
-                sub_parts, sub_exact = _li_filters(sub, nested)
+                sub_parts, sub_exact = _li_filters(sub, nested, negations)
                 parts += sub_parts
                 exact = exact and sub_exact
             continue
         if key == "$or":
-            subs = [_li_filters(sub, nested) for sub in condition]
+            subs = [_li_filters(sub, nested, negations) for sub in condition]
             if nested and all(p for p, _ in subs):
                 branches = [
                     p[0]
@@ -289,7 +291,9 @@ def _li_filters(
         field = "raptor_doc_id" if key == "doc_id" else key
         ops = condition if isinstance(condition, Mapping) else {"$eq": condition}
         for op, value in ops.items():
-            clause = _li_condition(field, op, value)
+            clause = (
+                None if op in ("$ne", "$nin") and not negations else _li_condition(field, op, value)
+            )
             if clause is None:
                 exact = False
             else:
@@ -698,7 +702,9 @@ class LlamaIndexNodeStore:
             )
         exact = True
         if where.where is not None:
-            translated, exact = _li_filters(where.where, self.backend.nested)
+            translated, exact = _li_filters(
+                where.where, self.backend.nested, self.backend.negations
+            )
             parts += translated
         if where.native is not None:
             flat_and = where.native.condition in (None, FilterCondition.AND) and not any(

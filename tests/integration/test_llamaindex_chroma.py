@@ -28,6 +28,8 @@ from llama_index.core.schema import NodeRelationship
 from llama_index.core.vector_stores import MetadataFilter, MetadataFilters, SimpleVectorStore
 from llama_index.vector_stores.chroma import ChromaVectorStore
 from llama_index.vector_stores.faiss import FaissVectorStore
+from llama_index.vector_stores.qdrant import QdrantVectorStore
+from qdrant_client import QdrantClient
 
 from raptor_core.build.builder import TreeBuilder
 from raptor_core.retrieval.registry import make_retriever
@@ -152,6 +154,7 @@ def strategy_configs() -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
+@pytest.mark.filterwarnings("ignore:Payload indexes have no effect:UserWarning")
 def test_same_answers_everywhere(
     essay_tree: Tree, chroma_server: Any, st_embedder: Any, tmp_path: Any
 ) -> None:
@@ -169,7 +172,11 @@ def test_same_answers_everywhere(
     faiss_store = LlamaIndexNodeStore(
         FaissVectorStore(faiss_index=faiss.IndexFlatL2(essay_tree.dim))
     )
-    for store in (simple, embedded, server, faiss_store):
+    # Qdrant (local mode): UUID point ids, its collection scrolled in pages.
+    qdrant_store = LlamaIndexNodeStore(
+        QdrantVectorStore(client=QdrantClient(":memory:"), collection_name="essays")
+    )
+    for store in (simple, embedded, server, faiss_store, qdrant_store):
         store.add_tree(essay_tree)
     sources: dict[str, Any] = {
         "tree": essay_tree,
@@ -178,6 +185,7 @@ def test_same_answers_everywhere(
         "Chroma embedded": embedded,
         "Chroma server": server,
         "FaissVectorStore": faiss_store,
+        "QdrantVectorStore": qdrant_store,
     }
     assert sum(len(essay_tree.layer(i)) for i in range(essay_tree.num_layers)) > 30
     for question in QUESTIONS:

@@ -39,6 +39,8 @@ from llama_index.core.vector_stores.types import (
 )
 from llama_index.core.vector_stores.utils import build_metadata_filter_fn
 from llama_index.vector_stores.faiss import FaissMapVectorStore, FaissVectorStore
+from llama_index.vector_stores.qdrant import QdrantVectorStore
+from qdrant_client import QdrantClient
 
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
 from raptor_core.retrieval.registry import make_retriever
@@ -115,6 +117,15 @@ class TestFaissVectorStoreNodeStore(NodeStoreTests):
 
     def make_store(self) -> LlamaIndexNodeStore:
         return LlamaIndexNodeStore(FaissVectorStore(faiss_index=faiss.IndexFlatL2(self.dim)))
+
+
+@pytest.mark.filterwarnings("ignore:Payload indexes have no effect:UserWarning")
+class TestQdrantVectorStoreNodeStore(NodeStoreTests):
+    """A real Qdrant (its local mode, in memory): point ids must be UUIDs."""
+
+    def make_store(self) -> LlamaIndexNodeStore:
+        client = QdrantClient(":memory:")
+        return LlamaIndexNodeStore(QdrantVectorStore(client=client, collection_name="tree"))
 
 
 class TestFaissMapVectorStoreNodeStore(NodeStoreTests):
@@ -421,6 +432,59 @@ def test_an_index_in_a_faiss_vector_store_reloads_and_updates(tmp_path: Path) ->
     assert answers(again, "volcanoes erupt lava", similarity_top_k=5) == answers(
         reference, "volcanoes erupt lava", similarity_top_k=5
     )
+
+
+@pytest.mark.filterwarnings("ignore:Payload indexes have no effect:UserWarning")
+def test_an_index_in_qdrant_reopens_and_updates(tmp_path: Path) -> None:
+    # Qdrant takes UUID point ids only, creates its collection on the first write and lists
+    # at most 9,999 points through the integration: none of that shows through RaptorIndex.
+    def vector_store() -> QdrantVectorStore:
+        client = QdrantClient(path=str(tmp_path / "qdrant"))  # on disk, local mode
+        return QdrantVectorStore(client=client, collection_name="essays")
+
+    store = vector_store()
+    index = RaptorIndex.from_documents(
+        documents(), storage_context=StorageContext.from_defaults(vector_store=store), **options()
+    )
+    query = "cats sleep in the sun"
+    reference = RaptorIndex.from_documents(documents(), **options())
+    assert answers(index, query, similarity_top_k=4) == answers(
+        reference, query, similarity_top_k=4
+    )
+    index.storage_context.persist(persist_dir=tmp_path / "index")
+    store.client.close()  # local mode holds a lock on its folder
+
+    def reopen() -> RaptorIndex:
+        loaded = load_index_from_storage(
+            StorageContext.from_defaults(
+                vector_store=vector_store(), persist_dir=tmp_path / "index"
+            ),
+            embed_model=FakeEmbedder(32),
+            summarizer=EchoSummarizer(),
+            tokenizer=WhitespaceTokenizer(),
+            clusterer=GroupClusterer(2),
+        )
+        assert isinstance(loaded, RaptorIndex)
+        return loaded
+
+    loaded = reopen()
+    # Qdrant lists points in id order, not insertion order: the same nodes, another order.
+    assert sorted(loaded.tree.nodes, key=lambda n: n.id) == sorted(
+        reference.tree.nodes, key=lambda n: n.id
+    )
+    for strategy in ("collapsed", "passage", "traversal"):
+        kwargs = {"similarity_top_k": 6, "strategy": strategy, "max_tokens": 40}
+        assert answers(loaded, query, **kwargs) == answers(reference, query, **kwargs)
+    extra = Document(text="Volcanoes erupt lava. Magma rises from the mantle.", id_="volcano")
+    for target in (loaded, reference):
+        target.insert(extra)
+        target.delete_ref_doc("cats")
+    assert {n.id for n in loaded.store} == {n.id for n in reference.tree.nodes}
+    assert_same_ranking(
+        answers(loaded, "volcanoes erupt lava", similarity_top_k=5),
+        answers(reference, "volcanoes erupt lava", similarity_top_k=5),
+    )
+    loaded.storage_context.vector_store.client.close()
 
 
 def test_a_faiss_index_that_cannot_return_its_vectors_is_refused_clearly() -> None:
