@@ -250,7 +250,10 @@ class NodeStore(Protocol):
         __len__: the number of stored nodes.
 
     Optional, duck-typed: ``vectors(ids) -> (len(ids), d) array`` (for MMR and exporting a
-    tree), ``dim`` and ``top_layer`` attributes (saves a probe).
+    tree), ``dim`` and ``top_layer`` attributes (saves a probe), and ``revision``, a value
+    that changes with every write through the store (what a strategy reads from a store
+    once, such as the passage strategy's leaves, is kept while both it and the count stay
+    the same; without it, only the count is compared).
     """
 
     def add(self, nodes: Sequence[Node], vectors: NDArray[np.float32]) -> None: ...

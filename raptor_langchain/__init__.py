@@ -19,6 +19,7 @@ from raptor_langchain.dialects import (  # noqa: E402
     ChromaDialect,
     GenericDialect,
     InMemoryDialect,
+    QdrantDialect,
     StoreDialect,
 )
 from raptor_langchain.models import (  # noqa: E402
@@ -40,6 +41,7 @@ __all__ = [
     "LangChainEmbedder",
     "LangChainLLM",
     "LangChainNodeStore",
+    "QdrantDialect",
     "RaptorEmbeddings",
     "RaptorRetriever",
     "StoreDialect",

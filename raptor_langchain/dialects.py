@@ -13,13 +13,16 @@ tree's structure.  A *dialect* is the small piece that does this for one store:
   filters are Chroma ``where`` dictionaries.  The core's metadata dialect *is* a subset of
   Chroma's, so a core ``where`` filter is translated and runs inside Chroma.  Lists are
   stored as JSON strings (see the class for the chromadb bug this avoids).
+* :class:`QdrantDialect` for ``langchain_qdrant.QdrantVectorStore``: reads and writes go
+  through its Qdrant client; point ids must be UUIDs, so each document is stored under a
+  name-based UUID of its id and reads back under its own id.
 * :class:`GenericDialect` for any other store, through the public ``VectorStore`` API
   only: ``add_texts`` (the store embeds the texts with its own model, which must be the
   tree's), ``similarity_search_by_vector`` (native filters passed as ``filter=``),
   ``get_by_ids`` and ``delete``.  Scores are recomputed by embedding the found texts again,
   structural filters run in Python on an over-fetched result, and the store cannot be
   listed or counted, so the tree's per-layer sizes live in the manifest record.  Correct,
-  but slower; write a dialect for a store you use at scale (the three here are the model).
+  but slower; write a dialect for a store you use at scale (the ones here are the model).
 
 A dialect never sees a :class:`~raptor_core.tree.Node`: the store encodes nodes as
 documents, and hands the dialect a :class:`Pushdown` describing what a search may return.
@@ -28,6 +31,7 @@ documents, and hands the dialect a :class:`Pushdown` describing what a search ma
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -45,6 +49,7 @@ __all__ = [
     "GenericDialect",
     "InMemoryDialect",
     "Pushdown",
+    "QdrantDialect",
     "Row",
     "StoreDialect",
     "dialect_for",
@@ -581,6 +586,214 @@ def chroma_where(where: Mapping[str, Any]) -> tuple[dict[str, Any] | None, bool]
     return (parts[0] if len(parts) == 1 else {"$and": parts}), exact
 
 
+# -- Qdrant ------------------------------------------------------------------------------------
+#: Point ids of documents in Qdrant, which takes UUIDs (or integers) only: a name-based UUID
+#: (version 5) of the document id, so the same document always lands on the same point.
+_QDRANT_NAMESPACE = uuid.UUID("6f1c4d2e-8a3b-5c7d-9e0f-1a2b3c4d5e6f")
+#: The payload key holding a document's own id (beside LangChain's content and metadata).
+_QDRANT_ID_KEY = "raptor_id"
+
+
+def qdrant_point_id(document_id: str) -> str:
+    """The Qdrant point id a document is stored under.
+
+    Examples:
+        >>> qdrant_point_id("L0-abc") == qdrant_point_id("L0-abc") != qdrant_point_id("L0-abd")
+        True
+    """
+    return str(uuid.uuid5(_QDRANT_NAMESPACE, document_id))
+
+
+class QdrantDialect:
+    """``langchain_qdrant.QdrantVectorStore`` (a Qdrant server, or ``QdrantClient(":memory:")``).
+
+    Qdrant takes point ids that are UUIDs or integers only; the tree's ids are neither
+    (``"L0-1a2b..."``), and ``add_texts`` with them fails.  Each document is written with the
+    Qdrant client under :func:`qdrant_point_id` of its id, in LangChain's payload layout
+    (``page_content``, ``metadata``, so the store's own searches still read it) plus its own
+    id, and reads back under that id.  Stored vectors come back with every read (exact
+    scores); the collection is listed by scrolling it in pages.  Native filters are
+    ``qdrant_client.models.Filter`` objects; structure (layers, documents) is pushed down as
+    one, the core's metadata filters are checked in Python.
+    """
+
+    name = "Qdrant"
+    native_lists = True
+    has_vectors = True
+    can_count = True
+    fetch_filters = False
+
+    def __init__(self, vectorstore: VectorStore) -> None:
+        self.vectorstore = vectorstore
+
+    @property
+    def _client(self) -> Any:
+        return self.vectorstore.client  # type: ignore[attr-defined]
+
+    @property
+    def _collection(self) -> str:
+        return str(self.vectorstore.collection_name)  # type: ignore[attr-defined]
+
+    def _keys(self) -> tuple[str, str, str]:
+        store: Any = self.vectorstore
+        return store.content_payload_key, store.metadata_payload_key, store.vector_name
+
+    def _row(self, point: Any, vectors: bool) -> Row:
+        content_key, metadata_key, vector_name = self._keys()
+        payload = point.payload or {}
+        doc = Document(
+            id=str(payload.get(_QDRANT_ID_KEY) or point.id),
+            page_content=payload.get(content_key) or "",
+            metadata=dict(payload.get(metadata_key) or {}),
+        )
+        vector = point.vector if vectors else None
+        if isinstance(vector, dict):
+            vector = vector.get(vector_name)
+        return Row(doc, None if vector is None else np.asarray(vector, dtype=np.float32))
+
+    def upsert(self, documents: Sequence[Document], vectors: NDArray[np.float32]) -> None:
+        """``client.upsert`` of whole points (payload replaced), in batches."""
+        from qdrant_client import models
+
+        content_key, metadata_key, vector_name = self._keys()
+        for start in range(0, len(documents), _QDRANT_BATCH):
+            part = documents[start : start + _QDRANT_BATCH]
+            points = [
+                models.PointStruct(
+                    id=qdrant_point_id(str(doc.id)),
+                    vector={vector_name: vector.tolist()} if vector_name else vector.tolist(),
+                    payload={
+                        content_key: doc.page_content,
+                        metadata_key: dict(doc.metadata),
+                        _QDRANT_ID_KEY: str(doc.id),
+                    },
+                )
+                for doc, vector in zip(part, vectors[start : start + _QDRANT_BATCH], strict=True)
+            ]
+            self._client.upsert(collection_name=self._collection, points=points)
+
+    def fetch(self, ids: Sequence[str], *, native: Any, vectors: bool) -> list[Row]:
+        """``client.retrieve`` by point id (no native filter: the store searches instead)."""
+        if native is not None:
+            msg = "QdrantDialect.fetch cannot apply a native filter"
+            raise InvalidParameterError(msg)
+        rows: list[Row] = []
+        for start in range(0, len(ids), _QDRANT_BATCH):
+            points = self._client.retrieve(
+                collection_name=self._collection,
+                ids=[qdrant_point_id(str(i)) for i in ids[start : start + _QDRANT_BATCH]],
+                with_payload=True,
+                with_vectors=vectors,
+            )
+            rows += [self._row(p, vectors) for p in points]
+        return rows
+
+    def query(self, vector: NDArray[np.float32], m: int, *, native: Any) -> list[Row]:
+        """``client.query_points`` with the stored vectors included."""
+        _, _, vector_name = self._keys()
+        found = self._client.query_points(
+            collection_name=self._collection,
+            query=np.asarray(vector, dtype=np.float32).tolist(),
+            using=vector_name or None,
+            limit=int(m),
+            query_filter=native,
+            with_payload=True,
+            with_vectors=True,
+        )
+        return [self._row(p, True) for p in found.points]
+
+    def delete(self, ids: Sequence[str]) -> None:
+        """``client.delete`` by point id (unknown ids are ignored by Qdrant)."""
+        from qdrant_client import models
+
+        for start in range(0, len(ids), _QDRANT_BATCH):
+            chunk: list[int | str | uuid.UUID] = [
+                qdrant_point_id(str(i)) for i in ids[start : start + _QDRANT_BATCH]
+            ]
+            self._client.delete(
+                collection_name=self._collection,
+                points_selector=models.PointIdsList(points=chunk),
+            )
+
+    def count(self) -> int:
+        """``client.count`` (exact)."""
+        return int(self._client.count(collection_name=self._collection, exact=True).count)
+
+    def _pages(self, *, vectors: bool) -> Iterator[Row]:
+        offset = None
+        while True:
+            points, offset = self._client.scroll(
+                collection_name=self._collection,
+                limit=_QDRANT_BATCH,
+                offset=offset,
+                with_payload=True,
+                with_vectors=vectors,
+            )
+            for point in points:
+                yield self._row(point, vectors)
+            if offset is None:
+                return
+
+    def scan(self) -> Iterator[Document]:
+        """Every document, scrolling the collection a page at a time."""
+        for row in self._pages(vectors=False):
+            yield row.document
+
+    def max_layer(self) -> int:
+        """The highest layer among the documents (-1: none)."""
+        layers = (_layer_of(doc) for doc in self.scan())
+        return max((x for x in layers if x is not None), default=-1)
+
+    def dim(self) -> int | None:
+        """The length of one stored vector."""
+        row = next(iter(self._pages(vectors=True)), None)
+        return None if row is None or row.vector is None else int(row.vector.shape[0])
+
+    def translate(self, pushdown: Pushdown) -> tuple[Any, bool]:
+        """A Qdrant ``Filter`` on layers and documents; the user's ``where`` stays in Python.
+
+        Not exact when there is a ``where``, when carried copies are excluded (rare in a top
+        k, dropped in Python), or when there is no filter (the manifest may come back).
+        """
+        from qdrant_client import models
+
+        _, metadata_key, _ = self._keys()
+        clauses: list[Any] = []
+        if pushdown.layers is not None:
+            clauses.append(
+                models.FieldCondition(
+                    key=f"{metadata_key}.raptor_layer",
+                    match=models.MatchAny(any=sorted(pushdown.layers)),
+                )
+            )
+        if pushdown.doc_ids is not None:
+            clauses.append(
+                models.FieldCondition(
+                    key=f"{metadata_key}.raptor_doc_id",
+                    match=models.MatchAny(any=sorted(pushdown.doc_ids)),
+                )
+            )
+        if not clauses:
+            return None, False
+        exact = pushdown.where is None and pushdown.include_carried
+        return models.Filter(must=clauses), exact
+
+    def conjoin(self, ours: Any, theirs: Any) -> Any:
+        """A ``Filter`` that must pass both."""
+        from qdrant_client import models
+
+        if ours is None or theirs is None:
+            return theirs if ours is None else ours
+        if not isinstance(theirs, models.Filter):
+            msg = f"a Qdrant filter is a qdrant_client.models.Filter, got {type(theirs).__name__}"
+            raise InvalidParameterError(msg)
+        return models.Filter(must=[ours, theirs])
+
+
+#: Points per Qdrant request (upsert, retrieve, delete, a scrolled page).
+_QDRANT_BATCH = 1000
+
+
 # -- any other store ---------------------------------------------------------------------------
 class GenericDialect:
     """Any LangChain ``VectorStore``, through its public API only (see the module docstring).
@@ -690,6 +903,14 @@ def _is_chroma(vectorstore: object) -> bool:
     )
 
 
+def _is_qdrant(vectorstore: object) -> bool:
+    # By class, without importing langchain_qdrant for users who do not have it.
+    return any(
+        cls.__module__.startswith("langchain_qdrant") and cls.__name__ == "QdrantVectorStore"
+        for cls in type(vectorstore).__mro__
+    )
+
+
 def dialect_for(vectorstore: VectorStore) -> StoreDialect:
     """The dialect for ``vectorstore``: a specific one when known, else the generic one.
 
@@ -703,5 +924,7 @@ def dialect_for(vectorstore: VectorStore) -> StoreDialect:
         return InMemoryDialect(vectorstore)
     if _is_chroma(vectorstore):
         return ChromaDialect(vectorstore)
+    if _is_qdrant(vectorstore):
+        return QdrantDialect(vectorstore)
     logger.info("no dialect for %s: using the generic VectorStore API", type(vectorstore))
     return GenericDialect(vectorstore)

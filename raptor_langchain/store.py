@@ -213,6 +213,9 @@ class LangChainNodeStore:
         self._top: int | None = None
         self._dim: int | None = None
         self._count: int | None = None
+        #: Changes with every write through this store and every refresh(): what a strategy
+        #: read from the store once (the passage strategy's leaves) is read again after it.
+        self.revision = 0
         self._layer_cache: dict[int, frozenset[str] | None] = {}
         # Texts a store without vectors returned, embedded again to score them: the same
         # leaves come back query after query, so each (id, text) is embedded once.
@@ -347,6 +350,7 @@ class LangChainNodeStore:
         """
         self._manifest, self._manifest_read = None, False
         self._refreshed = True
+        self.revision += 1
         self._top = None
         self._count = None
         self._dim = None
@@ -466,6 +470,7 @@ class LangChainNodeStore:
         before = self.get(ids) if tracked else []
         docs = [node_to_document(n, native_lists=self.dialect.native_lists) for n in nodes]
         self.dialect.upsert(docs, arr)
+        self.revision += 1
         self._top = self._count = None
         self._layer_cache.clear()
         if self._dim is None:
@@ -481,6 +486,7 @@ class LangChainNodeStore:
         tracked = self._tracking()
         before = self.get(ids) if tracked else []
         self.dialect.delete(ids)
+        self.revision += 1
         self._top = self._count = None
         self._layer_cache.clear()
         if before:

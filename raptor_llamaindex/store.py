@@ -353,6 +353,9 @@ class LlamaIndexNodeStore:
         self.params: dict[str, Any] = dict(params or {})
         self._dim: int | None = None
         self.recorded_dim = dim
+        #: Changes with every write through this store and every refresh(): what a strategy
+        #: read from the store once (the passage strategy's leaves) is read again after it.
+        self.revision = 0
         self._top: int | None = None
         self._count: int | None = None
         self.layer_sizes = layer_sizes
@@ -387,6 +390,7 @@ class LlamaIndexNodeStore:
 
     def refresh(self) -> None:
         """Forget cached facts (dimension, size, top layer); call it after others wrote."""
+        self.revision += 1
         self._dim = self._top = self._count = None
         self._sizes = None
         self._layer_ids = {}
@@ -494,6 +498,7 @@ class LlamaIndexNodeStore:
         if not nodes:
             return
         before = self._replaced(ids)
+        self.revision += 1
         self.backend.delete(ids)
         self.backend.add([node_to_text_node(n, v) for n, v in zip(nodes, arr, strict=True)])
         self._resize(added=nodes, removed=before)
@@ -505,6 +510,7 @@ class LlamaIndexNodeStore:
         """Remove the nodes with these ids; unknown ids are ignored."""
         ids = list(dict.fromkeys(ids))
         before = self._replaced(ids)
+        self.revision += 1
         self.backend.delete(ids)
         self._resize(added=[], removed=before)
         self._count = None

@@ -125,8 +125,8 @@ class _Leaves:
     store holds the same number of nodes); :meth:`found` takes the leaves one search found.
     """
 
-    def __init__(self, nodes: list[Node], order: _LeafOrder, size: int) -> None:
-        self.size = size  # the store's node count when read (the cache's staleness check)
+    def __init__(self, nodes: list[Node], order: _LeafOrder, size: object) -> None:
+        self.size = size  # the store's stamp when read (the cache's staleness check)
         self.nodes = nodes
         self.ordinal = {node.id: i for i, node in enumerate(nodes)}
         self.tokens = np.fromiter((node.token_count for node in nodes), np.int64, len(nodes))
@@ -136,7 +136,7 @@ class _Leaves:
     @classmethod
     def from_store(cls, store: NodeStore) -> _Leaves:
         """Every leaf of ``store``; neighbours: same ``doc_id``, consecutive by span start."""
-        size = len(store)
+        size = _stamp(store)
         nodes = [n for n in store if n.layer == 0 and not is_carried(n)]
         n = len(nodes)
         # Ties of span start keep the store's order.
@@ -181,12 +181,22 @@ _LEAVES: weakref.WeakKeyDictionary[Any, _Leaves] = weakref.WeakKeyDictionary()
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, list[Tokenizer | None]] = weakref.WeakKeyDictionary()
 
 
+def _stamp(store: NodeStore) -> tuple[int, object]:
+    """What must stay the same for leaves read from ``store`` to still be its leaves.
+
+    The count alone is not enough: an update that adds as many nodes as it replaces keeps
+    it.  A store's ``revision`` (see :class:`~raptor_core.types.NodeStore`) changes with
+    every write through it; the count also catches some writes made around it.
+    """
+    return len(store), getattr(store, "revision", None)
+
+
 def _leaves(store: NodeStore) -> _Leaves:
     try:
         cached = _LEAVES.get(store)
     except TypeError:  # a store that cannot be weakly referenced: no cache
         return _Leaves.from_store(store)
-    if cached is None or cached.size != len(store):
+    if cached is None or cached.size != _stamp(store):
         cached = _Leaves.from_store(store)
         _LEAVES[store] = cached
     return cached

@@ -68,6 +68,9 @@ class InMemoryNodeStore:
         self._carried = np.zeros(0, dtype=np.bool_)
         self._alive = np.zeros(0, dtype=np.bool_)
         self._dead = 0
+        #: Changes with every write: what a strategy read from the store once (the passage
+        #: strategy's leaves) is read again after it.
+        self.revision = 0
         self._masks: dict[Any, NDArray[np.bool_] | None] = {}
         self._id_sets: dict[Any, frozenset[str]] = {}
         # (index, its size, its positions' rows, whether some position has no row): see
@@ -200,6 +203,7 @@ class InMemoryNodeStore:
         self._dead = 0
 
     def _changed(self) -> None:
+        self.revision += 1
         self._masks.clear()
         self._id_sets.clear()
         self._positions = None

@@ -26,7 +26,9 @@ pytest.importorskip("langchain_chroma")
 from langchain_chroma import Chroma
 from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore
+from langchain_qdrant import QdrantVectorStore
 from langchain_tests.integration_tests import RetrieversIntegrationTests
+from qdrant_client import QdrantClient, models
 
 from raptor_core import DEFAULT_STRATEGY
 from raptor_core.build.builder import TreeBuilder
@@ -182,12 +184,23 @@ def test_same_answers_everywhere(
     """Each strategy: the same node ids, in the same order, with the same scores on every store."""
     in_memory_vs = InMemoryVectorStore(RaptorEmbeddings(st_embedder))
     LangChainNodeStore(in_memory_vs).add_tree(essay_tree)
+    # Qdrant (local mode): UUID point ids, written and read through its client.
+    qdrant = QdrantClient(":memory:")
+    qdrant.create_collection(
+        "essays",
+        vectors_config=models.VectorParams(size=essay_tree.dim, distance=models.Distance.COSINE),
+    )
+    qdrant_vs = QdrantVectorStore(
+        client=qdrant, collection_name="essays", embedding=RaptorEmbeddings(st_embedder)
+    )
+    LangChainNodeStore(qdrant_vs).add_tree(essay_tree)
     sources: dict[str, Any] = {
         "tree": essay_tree,
         "file": Tree.load(essay_tree.save(tmp_path / "essays")),
         "file, opened lazily": FileNodeStore.open(tmp_path / "essays"),
         "InMemoryVectorStore": LangChainNodeStore(in_memory_vs),
         "Chroma server": LangChainNodeStore(chroma_essays),
+        "Qdrant": LangChainNodeStore(qdrant_vs),
     }
     assert sum(len(essay_tree.layer(i)) for i in range(essay_tree.num_layers)) > 30
     for question in QUESTIONS:

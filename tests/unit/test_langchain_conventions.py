@@ -491,3 +491,53 @@ def test_the_model_is_checked_against_the_store_never_created_from_it() -> None:
     assert "FakeEmbedder" in LangChainNodeStore(vectorstore).params["embedder"]["class"]
     with pytest.raises(InvalidParameterError, match="no embedding model: pass embeddings="):
         RaptorRetriever.from_vectorstore(vectorstore)
+
+
+def test_from_documents_into_qdrant_reopen_and_update(tmp_path: Any) -> None:
+    # A real Qdrant in its local mode, on disk: point ids must be UUIDs, which tree ids are
+    # not; the dialect stores each document under a UUID of its id.
+    from langchain_core.documents import Document
+    from langchain_qdrant import QdrantVectorStore
+    from qdrant_client import QdrantClient, models
+
+    def vectorstore() -> QdrantVectorStore:
+        client = QdrantClient(path=str(tmp_path / "qdrant"))
+        if not client.collection_exists("essays"):
+            client.create_collection(
+                "essays",
+                vectors_config=models.VectorParams(
+                    size=EMBEDDER.dim, distance=models.Distance.COSINE
+                ),
+            )
+        return QdrantVectorStore(
+            client=client, collection_name="essays", embedding=RaptorEmbeddings(EMBEDDER)
+        )
+
+    store = vectorstore()
+    built = RaptorRetriever.from_documents(
+        lc_documents(), vectorstore=store, k=3, **fast_build_options()
+    )
+    memory = RaptorRetriever.from_documents(
+        lc_documents(),
+        vectorstore=InMemoryVectorStore(RaptorEmbeddings(EMBEDDER)),
+        k=3,
+        **fast_build_options(),
+    )
+    for query in ("rocket orbit", "bread starter", "lava and ash"):
+        assert ids(built.invoke(query)) == ids(memory.invoke(query))
+    store.client.close()  # local mode holds a lock on its folder
+    reopened = RaptorRetriever.from_vectorstore(vectorstore(), k=3, embeddings=EMBEDDER)
+    assert ids(reopened.invoke("rocket orbit")) == ids(memory.invoke("rocket orbit"))
+    assert reopened.store is not None and sorted(n.id for n in reopened.store) == sorted(
+        n.id
+        for n in LangChainNodeStore(memory.vectorstore).to_tree().nodes  # type: ignore[arg-type]
+    )
+    # Updates of a reopened tree land in Qdrant as they land in the in-memory store.
+    mirror = RaptorRetriever.from_vectorstore(memory.vectorstore, k=3, embeddings=EMBEDDER)  # type: ignore[arg-type]
+    extra = [Document(page_content="Glaciers carve valleys. Ice flows downhill slowly.", id="ice")]
+    for retriever in (reopened, mirror):
+        retriever.add_documents(extra)
+        retriever.delete(["rockets"])
+    assert reopened.store is not None and mirror.store is not None
+    assert sorted(n.id for n in reopened.store) == sorted(n.id for n in mirror.store)
+    assert ids(reopened.invoke("glaciers and ice")) == ids(mirror.invoke("glaciers and ice"))

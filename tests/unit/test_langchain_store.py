@@ -18,6 +18,8 @@ pytest.importorskip("langchain_core")
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import InMemoryVectorStore, VectorStore
+from langchain_qdrant import QdrantVectorStore
+from qdrant_client import QdrantClient, models
 
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
 from raptor_core.retrieval.registry import make_retriever
@@ -26,7 +28,14 @@ from raptor_core.testing import FakeEmbedder, NodeStoreTests, store_tree
 from raptor_core.tree import Node
 from raptor_core.types import NodeFilter, NodeStore
 from raptor_langchain import GenericDialect, InMemoryDialect, LangChainNodeStore, RaptorEmbeddings
-from raptor_langchain.dialects import ChromaDialect, Pushdown, Row, chroma_where, dialect_for
+from raptor_langchain.dialects import (
+    ChromaDialect,
+    Pushdown,
+    QdrantDialect,
+    Row,
+    chroma_where,
+    dialect_for,
+)
 from raptor_langchain.store import MANIFEST_ID, document_to_node, node_to_document
 
 DIM = 32
@@ -48,6 +57,28 @@ def filled_store(dialect: str = "memory") -> tuple[LangChainNodeStore, InMemoryV
 class TestInMemoryVectorStoreNodeStore(NodeStoreTests):
     def make_store(self) -> LangChainNodeStore:
         return LangChainNodeStore(in_memory_vectorstore(self.dim))
+
+
+def qdrant_vectorstore(dim: int = DIM, client: QdrantClient | None = None) -> QdrantVectorStore:
+    """A real Qdrant (local mode) collection behind LangChain's Qdrant store."""
+    client = client if client is not None else QdrantClient(":memory:")
+    if not client.collection_exists("tree"):
+        client.create_collection(
+            "tree",
+            vectors_config=models.VectorParams(size=dim, distance=models.Distance.COSINE),
+        )
+    return QdrantVectorStore(
+        client=client, collection_name="tree", embedding=RaptorEmbeddings(FakeEmbedder(dim=dim))
+    )
+
+
+class TestQdrantNodeStore(NodeStoreTests):
+    """Qdrant takes UUID point ids only: documents are stored under a UUID of their id."""
+
+    def make_store(self) -> LangChainNodeStore:
+        store = LangChainNodeStore(qdrant_vectorstore(self.dim))
+        assert isinstance(store.dialect, QdrantDialect)
+        return store
 
 
 class TestGenericDialectNodeStore(NodeStoreTests):

@@ -444,3 +444,30 @@ def test_found_leaves_are_neighbours_only_across_whitespace() -> None:
 def test_scope_is_validated(tree: Tree) -> None:
     with pytest.raises(InvalidParameterError, match="scope must be one of 'auto', 'all', 'found'"):
         retriever(tree, scope="some").retrieve("bees")
+
+
+def test_a_store_updated_to_the_same_size_is_read_again(tree: Tree) -> None:
+    # The leaves a store was read for are kept while it is unchanged: an update that adds as
+    # many nodes as it removes keeps the count, and the passages must still see the new leaf.
+    store = InMemoryNodeStore.from_tree(tree)
+    embedder = FakeEmbedder(dim=tree.dim)
+    query = "glaciers carve deep valleys"
+    passages = PassageRetriever(store, embedder, k=5, max_tokens=60)
+    assert not any("glaciers" in h.node.text for h in passages.retrieve(query))
+    old = tree.leaves[0]
+    new = Node(
+        id="L0-glaciers",
+        text="Glaciers carve deep valleys.",
+        layer=0,
+        token_count=4,
+        doc_id=old.doc_id,
+        span=old.span,
+        doc_ids=old.doc_ids,
+    )
+    size, revision = len(store), store.revision
+    store.delete([old.id])
+    store.add([new], embedder.embed_documents([new.text]))
+    assert len(store) == size and store.revision != revision
+    hits = PassageRetriever(store, embedder, k=5, max_tokens=60).retrieve(query)
+    assert "glaciers" in hits[0].node.text.lower()
+    assert all(old.id not in (h.node.id, *h.leaves) for h in hits)
