@@ -42,6 +42,7 @@ from langchain_core.vectorstores import InMemoryVectorStore, VectorStore
 from numpy.typing import NDArray
 
 from raptor_core.exceptions import InvalidParameterError
+from raptor_core.store.codec import uuid_id
 from raptor_core.store.vectors import nearest_rows
 
 __all__ = [
@@ -587,34 +588,21 @@ def chroma_where(where: Mapping[str, Any]) -> tuple[dict[str, Any] | None, bool]
 
 
 # -- Qdrant ------------------------------------------------------------------------------------
-#: Point ids of documents in Qdrant, which takes UUIDs (or integers) only: a name-based UUID
-#: (version 5) of the document id, so the same document always lands on the same point.
-_QDRANT_NAMESPACE = uuid.UUID("6f1c4d2e-8a3b-5c7d-9e0f-1a2b3c4d5e6f")
 #: The payload key holding a document's own id (beside LangChain's content and metadata).
 _QDRANT_ID_KEY = "raptor_id"
-
-
-def qdrant_point_id(document_id: str) -> str:
-    """The Qdrant point id a document is stored under.
-
-    Examples:
-        >>> qdrant_point_id("L0-abc") == qdrant_point_id("L0-abc") != qdrant_point_id("L0-abd")
-        True
-    """
-    return str(uuid.uuid5(_QDRANT_NAMESPACE, document_id))
 
 
 class QdrantDialect:
     """``langchain_qdrant.QdrantVectorStore`` (a Qdrant server, or ``QdrantClient(":memory:")``).
 
     Qdrant takes point ids that are UUIDs or integers only; the tree's ids are neither
-    (``"L0-1a2b..."``), and ``add_texts`` with them fails.  Each document is written with the
-    Qdrant client under :func:`qdrant_point_id` of its id, in LangChain's payload layout
-    (``page_content``, ``metadata``, so the store's own searches still read it) plus its own
-    id, and reads back under that id.  Stored vectors come back with every read (exact
-    scores); the collection is listed by scrolling it in pages.  Native filters are
-    ``qdrant_client.models.Filter`` objects; structure (layers, documents) is pushed down as
-    one, the core's metadata filters are checked in Python.
+    (``"L0-1a2b..."``), and ``add_texts`` with them fails.  Each document is written with
+    the Qdrant client under :func:`~raptor_core.store.codec.uuid_id` of its id, in
+    LangChain's payload layout (``page_content``, ``metadata``, so the store's own searches
+    still read it) plus its own id, and reads back under that id.  Stored vectors come back
+    with every read (exact scores); the collection is listed by scrolling it in pages.
+    Native filters are ``qdrant_client.models.Filter`` objects; structure (layers,
+    documents) is pushed down as one, the core's metadata filters are checked in Python.
     """
 
     name = "Qdrant"
@@ -660,7 +648,7 @@ class QdrantDialect:
             part = documents[start : start + _QDRANT_BATCH]
             points = [
                 models.PointStruct(
-                    id=qdrant_point_id(str(doc.id)),
+                    id=uuid_id(str(doc.id)),
                     vector={vector_name: vector.tolist()} if vector_name else vector.tolist(),
                     payload={
                         content_key: doc.page_content,
@@ -681,7 +669,7 @@ class QdrantDialect:
         for start in range(0, len(ids), _QDRANT_BATCH):
             points = self._client.retrieve(
                 collection_name=self._collection,
-                ids=[qdrant_point_id(str(i)) for i in ids[start : start + _QDRANT_BATCH]],
+                ids=[uuid_id(str(i)) for i in ids[start : start + _QDRANT_BATCH]],
                 with_payload=True,
                 with_vectors=vectors,
             )
@@ -708,7 +696,7 @@ class QdrantDialect:
 
         for start in range(0, len(ids), _QDRANT_BATCH):
             chunk: list[int | str | uuid.UUID] = [
-                qdrant_point_id(str(i)) for i in ids[start : start + _QDRANT_BATCH]
+                uuid_id(str(i)) for i in ids[start : start + _QDRANT_BATCH]
             ]
             self._client.delete(
                 collection_name=self._collection,

@@ -21,7 +21,6 @@ LlamaIndex ``TextNode`` objects and decodes what a backend returns.
 from __future__ import annotations
 
 import math
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ from llama_index.core.vector_stores.utils import build_metadata_filter_fn, metad
 from numpy.typing import NDArray
 
 from raptor_core.exceptions import InvalidParameterError
+from raptor_core.store.codec import uuid_id
 from raptor_core.store.vectors import nearest_rows
 
 __all__ = [
@@ -618,31 +618,18 @@ class FaissBackend(_MatrixBackend):
 #: The metadata key holding a node's own id where the store needs ids of another form
 #: (Qdrant: UUIDs), so that the node reads back under the id the tree gave it.
 NODE_ID_KEY = "raptor_id"
-#: Store ids of nodes in a store that takes UUIDs only: a name-based UUID (version 5) of
-#: the node id, so the same node always lands on the same point (upserts replace it).
-_UUID_NAMESPACE = uuid.UUID("6f1c4d2e-8a3b-5c7d-9e0f-1a2b3c4d5e6f")
-
-
-def uuid_for(node_id: str) -> str:
-    """The UUID a node is stored under in a store that takes UUIDs only.
-
-    Examples:
-        >>> uuid_for("L0-abc") == uuid_for("L0-abc") != uuid_for("L0-abd")
-        True
-    """
-    return str(uuid.uuid5(_UUID_NAMESPACE, node_id))
 
 
 class QdrantBackend(GenericBackend):
     """``QdrantVectorStore``: a Qdrant collection (server, or ``QdrantClient(":memory:")``/``path=``).
 
     Qdrant takes point ids that are UUIDs or integers only, and the tree's ids are neither
-    (``"L0-1a2b..."``): each node is stored under :func:`uuid_for` its id, with its own id
-    in ``NODE_ID_KEY``, and reads back under its own id.  The integration lists at most
-    9,999 points (``get_nodes`` without ids) and creates its collection on the first add,
-    so the collection is scrolled here in pages, and a collection that does not exist yet
-    is an empty store.  Stored vectors come back with every read (exact scores); filters
-    are pushed down as flat ``and`` conditions.
+    (``"L0-1a2b..."``): each node is stored under :func:`~raptor_core.store.codec.uuid_id`
+    of its id, with its own id in ``NODE_ID_KEY``, and reads back under its own id.  The
+    integration lists at most 9,999 points (``get_nodes`` without ids) and creates its
+    collection on the first add, so the collection is scrolled here in pages, and a
+    collection that does not exist yet is an empty store.  Stored vectors come back with
+    every read (exact scores); filters are pushed down as flat ``and`` conditions.
     """
 
     has_vectors = True
@@ -663,7 +650,7 @@ class QdrantBackend(GenericBackend):
         stored = [
             n.model_copy(
                 update={
-                    "id_": uuid_for(n.node_id),
+                    "id_": uuid_id(n.node_id),
                     "metadata": {**n.metadata, NODE_ID_KEY: n.node_id},
                 }
             )
@@ -676,14 +663,14 @@ class QdrantBackend(GenericBackend):
         if ids and self._exists():
             for start in range(0, len(ids), BATCH):
                 chunk = ids[start : start + BATCH]
-                self.vector_store.delete_nodes(node_ids=[uuid_for(i) for i in chunk])
+                self.vector_store.delete_nodes(node_ids=[uuid_id(i) for i in chunk])
 
     def fetch(self, ids: Sequence[str]) -> list[Row]:
         if not ids or not self._exists():
             return []
         rows: list[Row] = []
         for start in range(0, len(ids), BATCH):
-            chunk = [uuid_for(i) for i in ids[start : start + BATCH]]
+            chunk = [uuid_id(i) for i in ids[start : start + BATCH]]
             for node in self.vector_store.get_nodes(node_ids=chunk):
                 rows.append(Row(self._restored(node), _vector(node.embedding)))
         return rows
@@ -698,7 +685,7 @@ class QdrantBackend(GenericBackend):
                 query_embedding=[float(x) for x in q],
                 similarity_top_k=m,
                 filters=filters,
-                node_ids=None if ids is None else [uuid_for(i) for i in ids],
+                node_ids=None if ids is None else [uuid_id(i) for i in ids],
             )
         )
         nodes = [self._restored(n) for n in result.nodes or []]

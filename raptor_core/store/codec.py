@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -52,11 +53,29 @@ __all__ = [
     "top_layer_of",
     "tree_layer_sizes",
     "unfiltered_depth",
+    "uuid_id",
 ]
 
 #: Metadata keys with this prefix are the codec's; a user's own keys with it are not copied
 #: out of ``raptor_metadata`` (they would be mistaken for structure).
 STRUCTURAL_PREFIX = "raptor_"
+
+
+#: Namespace of :func:`uuid_id` (fixed: a node must land on the same record in every run).
+_UUID_NAMESPACE = uuid.UUID("6f1c4d2e-8a3b-5c7d-9e0f-1a2b3c4d5e6f")
+
+
+def uuid_id(node_id: str) -> str:
+    """The record id of a node in a store that takes UUIDs only (Qdrant, Weaviate).
+
+    A name-based UUID (version 5) of the node id: the same node always lands on the same
+    record, so an upsert replaces it; the adapters keep the node's own id beside it.
+
+    Examples:
+        >>> uuid_id("L0-abc") == uuid_id("L0-abc") != uuid_id("L0-abd")
+        True
+    """
+    return str(uuid.uuid5(_UUID_NAMESPACE, node_id))
 
 
 #: The most layers a recorded ``layer_sizes`` may list: trees have a handful, and the bound
