@@ -21,6 +21,7 @@ LlamaIndex ``TextNode`` objects and decodes what a backend returns.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,28 @@ def filters_pass(filters: MetadataFilters, meta: Mapping[str, Any]) -> bool:
     return not any(results)
 
 
+#: What integrations say when their collection or table has not been created yet (most
+#: create it on the first add): LanceDB's ``TableNotFoundError``, "Collection t not found".
+_NOT_CREATED = re.compile(
+    r"\b(collection|table|index)\b.*\b(not found|does not exist|doesn't exist|not initiali[sz]ed)",
+    re.IGNORECASE | re.DOTALL,
+)
+
+
+def not_created(exc: Exception) -> bool:
+    """Whether ``exc`` says the store's collection does not exist yet (an empty store).
+
+    Examples:
+        >>> not_created(ValueError("Collection raptor not found"))
+        True
+        >>> not_created(ConnectionError("host not found"))
+        False
+    """
+    return type(exc).__name__ in {"TableNotFoundError", "CollectionNotFoundError"} or bool(
+        _NOT_CREATED.search(str(exc))
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Row:
     node: BaseNode
@@ -123,7 +146,11 @@ class GenericBackend:
     def delete(self, ids: Sequence[str]) -> None:
         if not ids:
             return
-        self.vector_store.delete_nodes(node_ids=list(ids))
+        try:
+            self.vector_store.delete_nodes(node_ids=list(ids))
+        except Exception as exc:
+            if not not_created(exc):
+                raise  # (no collection yet: nothing to delete)
         if self.docstore is not None:
             for node_id in ids:
                 self.docstore.delete_document(node_id, raise_error=False)
@@ -140,14 +167,19 @@ class GenericBackend:
     def query(
         self, q: NDArray[np.float32], m: int, filters: MetadataFilters | None, ids: Any = None
     ) -> list[tuple[str, float]]:
-        result = self.vector_store.query(
-            VectorStoreQuery(
-                query_embedding=[float(x) for x in q],
-                similarity_top_k=m,
-                filters=filters,
-                node_ids=None if ids is None else list(ids),
+        try:
+            result = self.vector_store.query(
+                VectorStoreQuery(
+                    query_embedding=[float(x) for x in q],
+                    similarity_top_k=m,
+                    filters=filters,
+                    node_ids=None if ids is None else list(ids),
+                )
             )
-        )
+        except Exception as exc:
+            if not not_created(exc):
+                raise
+            return []  # no collection yet: nothing stored
         found = result.ids or [n.node_id for n in result.nodes or []]
         sims = result.similarities or [math.nan] * len(found)
         return list(zip(found, sims, strict=False))
@@ -167,6 +199,12 @@ class GenericBackend:
                 "needs a store that can; every search strategy works without it"
             )
             raise InvalidParameterError(msg) from exc
+        except Exception as exc:
+            # Most integrations create their collection on the first add: until then,
+            # listing it fails, and the store is simply empty.
+            if not not_created(exc):
+                raise
+            return
         yield from nodes
 
     def count(self) -> int:

@@ -487,6 +487,55 @@ def test_an_index_in_qdrant_reopens_and_updates(tmp_path: Path) -> None:
     loaded.storage_context.vector_store.client.close()
 
 
+class LazyCollectionVectorStore(DictVectorStore):
+    """Like most integrations (Qdrant, LanceDB, ...), it creates its collection on the first
+    add: until then, every read fails with the integration's own "not found" error."""
+
+    _created: bool = PrivateAttr(default=False)
+
+    def _check(self) -> None:
+        if not self._created:
+            msg = "Collection raptor not found"
+            raise ValueError(msg)
+
+    def add(self, nodes: Sequence[BaseNode], **kwargs: Any) -> list[str]:
+        self._created = True
+        return super().add(nodes, **kwargs)
+
+    def get_nodes(
+        self, node_ids: list[str] | None = None, filters: Any = None, **kwargs: Any
+    ) -> list[BaseNode]:
+        self._check()
+        return super().get_nodes(node_ids, filters, **kwargs)
+
+    def delete_nodes(
+        self, node_ids: list[str] | None = None, filters: Any = None, **kwargs: Any
+    ) -> None:
+        self._check()
+        super().delete_nodes(node_ids, filters, **kwargs)
+
+    def query(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
+        self._check()
+        return super().query(query, **kwargs)
+
+
+def test_a_collection_created_on_the_first_write_is_an_empty_store() -> None:
+    vector_store = LazyCollectionVectorStore()
+    store = LlamaIndexNodeStore(vector_store)
+    assert len(store) == 0 and store.dim is None and list(store) == []
+    assert store.search(np.ones(32, dtype=np.float32), 3) == []
+    store.delete(["L0-nothing"])  # nothing to delete yet: no error
+    context = StorageContext.from_defaults(vector_store=vector_store)
+    index = RaptorIndex.from_documents(documents(), storage_context=context, **options())
+    reference = RaptorIndex.from_documents(documents(), **options())
+    assert answers(index, "cats sleep in the sun") == answers(reference, "cats sleep in the sun")
+    # Any other failure is the store's, and surfaces.
+    broken = LazyCollectionVectorStore()
+    broken._check = lambda: (_ for _ in ()).throw(ConnectionError("host not found"))  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError, match="host not found"):
+        len(LlamaIndexNodeStore(broken))
+
+
 def test_a_faiss_index_that_cannot_return_its_vectors_is_refused_clearly() -> None:
     # IndexIDMap (unlike IndexIDMap2) cannot reconstruct a vector from its id.
     index = faiss.IndexIDMap(faiss.IndexFlatIP(32))
