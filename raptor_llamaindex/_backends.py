@@ -12,6 +12,7 @@ the nodes.  A *backend* is the small piece that does this for one store:
   FAISS index that knows no node ids, texts and the id of each vector in the docstore);
 * :class:`QdrantBackend` for ``QdrantVectorStore`` (point ids must be UUIDs; listed by
   scrolling the collection in pages);
+* :class:`MilvusBackend` for ``MilvusVectorStore`` (listed with a query iterator);
 * :class:`GenericBackend` for any other store, through the public API only.
 
 A backend never sees a :class:`~raptor_core.tree.Node`: the store encodes nodes as
@@ -52,6 +53,7 @@ __all__ = [
     "ChromaBackend",
     "FaissBackend",
     "GenericBackend",
+    "MilvusBackend",
     "QdrantBackend",
     "Row",
     "SimpleBackend",
@@ -768,6 +770,80 @@ class QdrantBackend(GenericBackend):
         return None
 
 
+class MilvusBackend(GenericBackend):
+    """``MilvusVectorStore``: a Milvus collection (a server, or Milvus Lite in a local file).
+
+    The integration lists nothing without a filter (``get_nodes`` needs ids or filters),
+    and a Milvus query returns at most 16,384 entities, so the collection is read here with
+    pymilvus's query iterator, a page at a time, and counted with ``count(*)``.  Stored
+    vectors come back with every read (exact scores); filters are pushed down as flat
+    ``and`` conditions.
+    """
+
+    has_vectors = True
+    cheap_count = True
+    negations = False  # a node without the key never passes Milvus's != or not in
+    # The integration is optional: its attributes (client, collection_name, ...) are untyped.
+    vector_store: Any
+
+    def _node(self, item: Mapping[str, Any]) -> BaseNode:
+        store = self.vector_store
+        node = metadata_dict_to_node(dict(item), text=item.get(store.text_key))
+        node.embedding = item.get(store.embedding_field)
+        return node
+
+    def fetch(self, ids: Sequence[str]) -> list[Row]:
+        rows: list[Row] = []
+        for start in range(0, len(ids), BATCH):
+            for node in self.vector_store.get_nodes(node_ids=list(ids[start : start + BATCH])):
+                rows.append(Row(node, _vector(node.embedding)))
+        return rows
+
+    @property
+    def listable(self) -> bool:
+        """The collection is read with a query iterator."""
+        return True
+
+    def scan(self) -> Iterator[BaseNode]:
+        store = self.vector_store
+        pages = store.client.query_iterator(
+            collection_name=store.collection_name,
+            batch_size=BATCH,
+            filter="",
+            output_fields=["*"],
+        )
+        try:
+            while page := pages.next():
+                for item in page:
+                    if "_node_content" in item:  # written through LlamaIndex
+                        yield self._node(item)
+        finally:
+            pages.close()
+
+    def count(self) -> int:
+        store = self.vector_store
+        got = store.client.query(
+            collection_name=store.collection_name, filter="", output_fields=["count(*)"]
+        )
+        return int(got[0]["count(*)"])
+
+    def max_layer(self) -> int:
+        return max((_layer(n.metadata) for n in self.scan()), default=-1)
+
+    def dim(self) -> int | None:
+        first = next(iter(self.scan()), None)
+        vector = None if first is None else _vector(first.embedding)
+        return None if vector is None else int(vector.shape[0])
+
+
+def _is_milvus(vector_store: object) -> bool:
+    return any(
+        cls.__module__.startswith("llama_index.vector_stores.milvus")
+        and cls.__name__ == "MilvusVectorStore"
+        for cls in type(vector_store).__mro__
+    )
+
+
 def _is_qdrant(vector_store: object) -> bool:
     return any(
         cls.__module__.startswith("llama_index.vector_stores.qdrant")
@@ -796,6 +872,8 @@ def backend_for(
         return FaissBackend(vector_store, docstore or SimpleDocumentStore())
     if _is_qdrant(vector_store):
         return QdrantBackend(vector_store, None)
+    if _is_milvus(vector_store):
+        return MilvusBackend(vector_store, None)
     if not vector_store.stores_text and docstore is None:
         docstore = SimpleDocumentStore()
     return GenericBackend(vector_store, docstore if not vector_store.stores_text else None)

@@ -28,6 +28,7 @@ from llama_index.core.schema import NodeRelationship
 from llama_index.core.vector_stores import MetadataFilter, MetadataFilters, SimpleVectorStore
 from llama_index.vector_stores.chroma import ChromaVectorStore
 from llama_index.vector_stores.faiss import FaissVectorStore
+from llama_index.vector_stores.milvus import MilvusVectorStore
 from llama_index.vector_stores.qdrant import QdrantVectorStore
 from qdrant_client import QdrantClient
 
@@ -176,7 +177,14 @@ def test_same_answers_everywhere(
     qdrant_store = LlamaIndexNodeStore(
         QdrantVectorStore(client=QdrantClient(":memory:"), collection_name="essays")
     )
-    for store in (simple, embedded, server, faiss_store, qdrant_store):
+    # Milvus Lite (a local file): read with its query iterator.
+    milvus_store = LlamaIndexNodeStore(
+        MilvusVectorStore(
+            uri=str(tmp_path / "milvus.db"), dim=essay_tree.dim, overwrite=True,
+            similarity_metric="IP",
+        )
+    )  # fmt: skip
+    for store in (simple, embedded, server, faiss_store, qdrant_store, milvus_store):
         store.add_tree(essay_tree)
     sources: dict[str, Any] = {
         "tree": essay_tree,
@@ -186,6 +194,7 @@ def test_same_answers_everywhere(
         "Chroma server": server,
         "FaissVectorStore": faiss_store,
         "QdrantVectorStore": qdrant_store,
+        "MilvusVectorStore": milvus_store,
     }
     assert sum(len(essay_tree.layer(i)) for i in range(essay_tree.num_layers)) > 30
     for question in QUESTIONS:

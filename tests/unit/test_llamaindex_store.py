@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from llama_index.core.vector_stores.types import (
 )
 from llama_index.core.vector_stores.utils import build_metadata_filter_fn
 from llama_index.vector_stores.faiss import FaissMapVectorStore, FaissVectorStore
+from llama_index.vector_stores.milvus import MilvusVectorStore
 from llama_index.vector_stores.qdrant import QdrantVectorStore
 from qdrant_client import QdrantClient
 
@@ -126,6 +128,17 @@ class TestQdrantVectorStoreNodeStore(NodeStoreTests):
     def make_store(self) -> LlamaIndexNodeStore:
         client = QdrantClient(":memory:")
         return LlamaIndexNodeStore(QdrantVectorStore(client=client, collection_name="tree"))
+
+
+class TestMilvusVectorStoreNodeStore(NodeStoreTests):
+    """A real Milvus (Milvus Lite, in a local file): listed with its query iterator."""
+
+    def make_store(self) -> LlamaIndexNodeStore:
+        path = Path(tempfile.mkdtemp()) / "milvus.db"
+        vector_store = MilvusVectorStore(
+            uri=str(path), dim=self.dim, overwrite=True, similarity_metric="IP"
+        )
+        return LlamaIndexNodeStore(vector_store)
 
 
 class TestFaissMapVectorStoreNodeStore(NodeStoreTests):
@@ -534,6 +547,49 @@ def test_a_collection_created_on_the_first_write_is_an_empty_store() -> None:
     broken._check = lambda: (_ for _ in ()).throw(ConnectionError("host not found"))  # type: ignore[method-assign]
     with pytest.raises(ConnectionError, match="host not found"):
         len(LlamaIndexNodeStore(broken))
+
+
+def test_an_index_in_milvus_reopens_and_updates(tmp_path: Path) -> None:
+    # Milvus Lite in a file: the integration lists nothing without a filter, and a query
+    # returns at most 16,384 entities; the backend reads the collection with an iterator.
+    uri = str(tmp_path / "milvus.db")
+    store = MilvusVectorStore(uri=uri, dim=32, overwrite=True, similarity_metric="IP")
+    index = RaptorIndex.from_documents(
+        documents(), storage_context=StorageContext.from_defaults(vector_store=store), **options()
+    )
+    reference = RaptorIndex.from_documents(documents(), **options())
+    query = "cats sleep in the sun"
+    assert answers(index, query, similarity_top_k=4) == answers(
+        reference, query, similarity_top_k=4
+    )
+    index.storage_context.persist(persist_dir=tmp_path / "index")
+    store.client.close()
+    loaded = load_index_from_storage(
+        StorageContext.from_defaults(
+            vector_store=MilvusVectorStore(uri=uri, dim=32, similarity_metric="IP"),
+            persist_dir=tmp_path / "index",
+        ),
+        embed_model=FakeEmbedder(32),
+        summarizer=EchoSummarizer(),
+        tokenizer=WhitespaceTokenizer(),
+        clusterer=GroupClusterer(2),
+    )
+    assert isinstance(loaded, RaptorIndex)
+    assert sorted(loaded.tree.nodes, key=lambda n: n.id) == sorted(
+        reference.tree.nodes, key=lambda n: n.id
+    )
+    for strategy in ("collapsed", "passage", "traversal"):
+        kwargs = {"similarity_top_k": 6, "strategy": strategy, "max_tokens": 40}
+        assert_same_ranking(answers(loaded, query, **kwargs), answers(reference, query, **kwargs))
+    extra = Document(text="Volcanoes erupt lava. Magma rises from the mantle.", id_="volcano")
+    for target in (loaded, reference):
+        target.insert(extra)
+        target.delete_ref_doc("cats")
+    assert {n.id for n in loaded.store} == {n.id for n in reference.tree.nodes}
+    assert_same_ranking(
+        answers(loaded, "volcanoes erupt lava", similarity_top_k=5),
+        answers(reference, "volcanoes erupt lava", similarity_top_k=5),
+    )
 
 
 def test_a_faiss_index_that_cannot_return_its_vectors_is_refused_clearly() -> None:
