@@ -381,12 +381,30 @@ class LlamaIndexNodeStore:
         if not self.backend.listable:
             return sum(self._known_sizes())
         if self.backend.live_count:
-            return self.backend.count()
+            return self._not_emptied(self.backend.count())
         if self._count is None:
             # Cached until our next write (or refresh()): every retrieval asks, and Chroma
             # counts a collection by reading it (8 ms a call at 100k nodes).
-            self._count = self.backend.count()
+            self._count = self._not_emptied(self.backend.count())
         return self._count
+
+    def _not_emptied(self, count: int) -> int:
+        """``count``, unless the store holds nothing where nodes were recorded (an error).
+
+        Integrations create a collection on its first write and read a missing one as
+        empty, so a reopened index pointed at a misspelled collection would answer every
+        query with nothing.  (Recorded sizes are dropped by every write through this
+        store, so a tree emptied through it is not mistaken for one.)
+        """
+        recorded = sum(self._sizes or [])
+        if count == 0 and recorded:
+            msg = (
+                f"the {type(self.vector_store).__name__} holds none of the {recorded} nodes "
+                "recorded for this tree: open the collection the tree was written into "
+                "(check its name and location)"
+            )
+            raise InvalidParameterError(msg)
+        return count
 
     def refresh(self) -> None:
         """Forget cached facts (dimension, size, top layer); call it after others wrote."""

@@ -451,9 +451,9 @@ def test_an_index_in_a_faiss_vector_store_reloads_and_updates(tmp_path: Path) ->
 def test_an_index_in_qdrant_reopens_and_updates(tmp_path: Path) -> None:
     # Qdrant takes UUID point ids only, creates its collection on the first write and lists
     # at most 9,999 points through the integration: none of that shows through RaptorIndex.
-    def vector_store() -> QdrantVectorStore:
+    def vector_store(name: str = "essays") -> QdrantVectorStore:
         client = QdrantClient(path=str(tmp_path / "qdrant"))  # on disk, local mode
-        return QdrantVectorStore(client=client, collection_name="essays")
+        return QdrantVectorStore(client=client, collection_name=name)
 
     store = vector_store()
     index = RaptorIndex.from_documents(
@@ -480,6 +480,15 @@ def test_an_index_in_qdrant_reopens_and_updates(tmp_path: Path) -> None:
         assert isinstance(loaded, RaptorIndex)
         return loaded
 
+    # A misspelled collection reads as a new, empty one: refused, not answered with nothing.
+    wrong = vector_store("essay")
+    misplaced = load_index_from_storage(
+        StorageContext.from_defaults(vector_store=wrong, persist_dir=tmp_path / "index"),
+        embed_model=FakeEmbedder(32),
+    )
+    with pytest.raises(InvalidParameterError, match="holds none of the"):
+        misplaced.as_retriever().retrieve(query)
+    wrong.client.close()
     loaded = reopen()
     # Qdrant lists points in id order, not insertion order: the same nodes, another order.
     assert sorted(loaded.tree.nodes, key=lambda n: n.id) == sorted(
