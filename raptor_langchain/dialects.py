@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -41,6 +41,7 @@ from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore, VectorStore
 from numpy.typing import NDArray
 
+from raptor_core._imports import is_instance_of
 from raptor_core.exceptions import InvalidParameterError
 from raptor_core.store.codec import uuid_id
 from raptor_core.store.vectors import nearest_rows
@@ -162,6 +163,12 @@ def _layer_of(document: Document) -> int | None:
     return int(value)
 
 
+def _top_layer(documents: Iterable[Document]) -> int:
+    """The highest ``raptor_layer`` among ``documents`` (-1: none), for dialects that list."""
+    layers = (_layer_of(doc) for doc in documents)
+    return max((x for x in layers if x is not None), default=-1)
+
+
 # -- InMemoryVectorStore -----------------------------------------------------------------------
 class InMemoryDialect:
     """``langchain_core.vectorstores.InMemoryVectorStore``: exact, in this process.
@@ -227,8 +234,7 @@ class InMemoryDialect:
 
     def max_layer(self) -> int:
         """The highest layer among the entries (-1: none)."""
-        layers = (_layer_of(doc) for doc in self.scan())
-        return max((x for x in layers if x is not None), default=-1)
+        return _top_layer(self.scan())
 
     def dim(self) -> int | None:
         """The length of a stored vector."""
@@ -729,8 +735,7 @@ class QdrantDialect:
 
     def max_layer(self) -> int:
         """The highest layer among the documents (-1: none)."""
-        layers = (_layer_of(doc) for doc in self.scan())
-        return max((x for x in layers if x is not None), default=-1)
+        return _top_layer(self.scan())
 
     def dim(self) -> int | None:
         """The length of one stored vector."""
@@ -883,22 +888,6 @@ class GenericDialect:
         return theirs
 
 
-def _is_chroma(vectorstore: object) -> bool:
-    # Decided by class, without importing langchain_chroma for users who do not have it.
-    return any(
-        cls.__module__.startswith("langchain_chroma") and cls.__name__ == "Chroma"
-        for cls in type(vectorstore).__mro__
-    )
-
-
-def _is_qdrant(vectorstore: object) -> bool:
-    # By class, without importing langchain_qdrant for users who do not have it.
-    return any(
-        cls.__module__.startswith("langchain_qdrant") and cls.__name__ == "QdrantVectorStore"
-        for cls in type(vectorstore).__mro__
-    )
-
-
 def dialect_for(vectorstore: VectorStore) -> StoreDialect:
     """The dialect for ``vectorstore``: a specific one when known, else the generic one.
 
@@ -910,9 +899,9 @@ def dialect_for(vectorstore: VectorStore) -> StoreDialect:
         raise InvalidParameterError(msg)
     if isinstance(vectorstore, InMemoryVectorStore):
         return InMemoryDialect(vectorstore)
-    if _is_chroma(vectorstore):
+    if is_instance_of(vectorstore, "langchain_chroma", "Chroma"):
         return ChromaDialect(vectorstore)
-    if _is_qdrant(vectorstore):
+    if is_instance_of(vectorstore, "langchain_qdrant", "QdrantVectorStore"):
         return QdrantDialect(vectorstore)
     logger.info("no dialect for %s: using the generic VectorStore API", type(vectorstore))
     return GenericDialect(vectorstore)

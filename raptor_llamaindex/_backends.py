@@ -41,6 +41,7 @@ from llama_index.core.vector_stores.types import (
 from llama_index.core.vector_stores.utils import build_metadata_filter_fn, metadata_dict_to_node
 from numpy.typing import NDArray
 
+from raptor_core._imports import is_instance_of
 from raptor_core.exceptions import InvalidParameterError
 from raptor_core.store.codec import uuid_id
 from raptor_core.store.vectors import nearest_rows
@@ -534,8 +535,8 @@ class FaissBackend(_MatrixBackend):
 
     def __init__(self, vector_store: BasePydanticVectorStore, docstore: BaseDocumentStore) -> None:
         super().__init__(vector_store, docstore)
-        self._labels: dict[str, int] | None = None  # node id -> FAISS label
-        self._metas: dict[str, Mapping[str, Any]] = {}
+        # Node id -> the metadata its docstore copy holds, FAISS label included.
+        self._stored: dict[str, Mapping[str, Any]] | None = None
         # Row of each node id in the cached matrix, for the matrix's order (by identity).
         self._row_of: tuple[list[str], dict[str, int]] | None = None
 
@@ -543,27 +544,20 @@ class FaissBackend(_MatrixBackend):
     def index(self) -> Any:
         return self.vector_store.client
 
-    def _known(self) -> dict[str, int]:
-        """Node id -> label of every node this backend's docstore records (read once)."""
-        if self._labels is None:
+    def _known(self) -> dict[str, Mapping[str, Any]]:
+        """Every node this backend's docstore records with a FAISS label (read once)."""
+        if self._stored is None:
             assert self.docstore is not None
-            labels: dict[str, int] = {}
+            self._stored = {}
             for node_id, node in self.docstore.docs.items():
                 label = (node.metadata or {}).get(FAISS_LABEL_KEY)
                 if isinstance(label, int) and not isinstance(label, bool) and label >= 0:
-                    labels[str(node_id)] = label
-                    self._metas[str(node_id)] = node.metadata
-            self._labels = labels
-        return self._labels
+                    self._stored[str(node_id)] = node.metadata
+        return self._stored
 
     def add(self, nodes: Sequence[TextNode]) -> None:
         known = self._known()
         first = int(self.index.ntotal)
-        # Both integrations label the i-th vector of a call with the index's size plus i.
-        labelled = [
-            n.model_copy(update={"metadata": {**n.metadata, FAISS_LABEL_KEY: first + i}})
-            for i, n in enumerate(nodes)
-        ]
         self.vector_store.add(list(nodes))
         if int(self.index.ntotal) != first + len(nodes):
             msg = (
@@ -571,12 +565,16 @@ class FaissBackend(_MatrixBackend):
                 f"{len(nodes)} to {first}: another writer used it meanwhile"
             )
             raise InvalidParameterError(msg)
+        # Both integrations label the i-th vector of a call with the index's size plus i.
+        plain = [
+            n.model_copy(
+                update={"metadata": {**n.metadata, FAISS_LABEL_KEY: first + i}, "embedding": None}
+            )
+            for i, n in enumerate(nodes)
+        ]
         assert self.docstore is not None
-        plain = [n.model_copy(update={"embedding": None}) for n in labelled]
         self.docstore.add_documents(plain, allow_update=True)
-        for node in plain:
-            known[node.node_id] = int(node.metadata[FAISS_LABEL_KEY])
-            self._metas[node.node_id] = node.metadata
+        known.update((node.node_id, node.metadata) for node in plain)
         self._writes += 1
 
     def delete(self, ids: Sequence[str]) -> None:
@@ -584,7 +582,6 @@ class FaissBackend(_MatrixBackend):
         assert self.docstore is not None
         for node_id in ids:
             if known.pop(node_id, None) is not None:
-                self._metas.pop(node_id, None)
                 self.docstore.delete_document(node_id, raise_error=False)
         self._writes += 1
 
@@ -593,14 +590,15 @@ class FaissBackend(_MatrixBackend):
 
         def build() -> tuple[list[str], NDArray[np.float32]]:
             order = list(known)
-            labels = np.fromiter((known[i] for i in order), dtype=np.int64, count=len(order))
+            labels = np.fromiter(
+                (known[i][FAISS_LABEL_KEY] for i in order), dtype=np.int64, count=len(order)
+            )
             return order, self._vectors(labels)
 
         return self._cached((int(self.index.ntotal), len(known), self._writes), build)
 
     def _metadata(self) -> Mapping[str, Mapping[str, Any]]:
-        self._known()
-        return self._metas
+        return self._known()
 
     def _vectors(self, labels: NDArray[np.int64]) -> NDArray[np.float32]:
         index = self.index
@@ -648,8 +646,7 @@ class FaissBackend(_MatrixBackend):
         return len(self._known())
 
     def max_layer(self) -> int:
-        self._known()
-        return max((_layer(m) for m in self._metas.values()), default=-1)
+        return max((_layer(m) for m in self._known().values()), default=-1)
 
     def dim(self) -> int | None:
         return int(self.index.d) if self._known() else None
@@ -678,8 +675,16 @@ class QdrantBackend(GenericBackend):
     # The integration is optional: its attributes (collection_name, ...) are not typed here.
     vector_store: Any
 
+    def __init__(self, vector_store: BasePydanticVectorStore, docstore: BaseDocumentStore | None):
+        super().__init__(vector_store, docstore)
+        self._created = False
+
     def _exists(self) -> bool:
-        return bool(self.vector_store.client.collection_exists(self.vector_store.collection_name))
+        # Asked until the collection is seen, then remembered: not a round trip per search.
+        if not self._created:
+            store = self.vector_store
+            self._created = bool(store.client.collection_exists(store.collection_name))
+        return self._created
 
     @staticmethod
     def _restored(node: BaseNode) -> BaseNode:
@@ -757,9 +762,6 @@ class QdrantBackend(GenericBackend):
         name = self.vector_store.collection_name
         return int(self.vector_store.client.count(collection_name=name, exact=True).count)
 
-    def max_layer(self) -> int:
-        return max((_layer(n.metadata) for n in self.scan()), default=-1)
-
     def dim(self) -> int | None:
         first = next(iter(self.scan()), None)
         if first is None:
@@ -827,39 +829,6 @@ class MilvusBackend(GenericBackend):
         )
         return int(got[0]["count(*)"])
 
-    def max_layer(self) -> int:
-        return max((_layer(n.metadata) for n in self.scan()), default=-1)
-
-    def dim(self) -> int | None:
-        first = next(iter(self.scan()), None)
-        vector = None if first is None else _vector(first.embedding)
-        return None if vector is None else int(vector.shape[0])
-
-
-def _is_milvus(vector_store: object) -> bool:
-    return any(
-        cls.__module__.startswith("llama_index.vector_stores.milvus")
-        and cls.__name__ == "MilvusVectorStore"
-        for cls in type(vector_store).__mro__
-    )
-
-
-def _is_qdrant(vector_store: object) -> bool:
-    return any(
-        cls.__module__.startswith("llama_index.vector_stores.qdrant")
-        and cls.__name__ == "QdrantVectorStore"
-        for cls in type(vector_store).__mro__
-    )
-
-
-def _is_faiss(vector_store: object) -> bool:
-    # Decided by class, without importing the integration for users who do not have it.
-    return any(
-        cls.__module__.startswith("llama_index.vector_stores.faiss")
-        and cls.__name__ in {"FaissVectorStore", "FaissMapVectorStore"}
-        for cls in type(vector_store).__mro__
-    )
-
 
 def backend_for(
     vector_store: BasePydanticVectorStore, docstore: BaseDocumentStore | None
@@ -868,11 +837,11 @@ def backend_for(
         return SimpleBackend(vector_store, docstore or SimpleDocumentStore())
     if vector_store.class_name() == "ChromaVectorStore":
         return ChromaBackend(vector_store, None)
-    if _is_faiss(vector_store):
-        return FaissBackend(vector_store, docstore or SimpleDocumentStore())
-    if _is_qdrant(vector_store):
+    if is_instance_of(vector_store, "llama_index.vector_stores.faiss", "FaissVectorStore"):
+        return FaissBackend(vector_store, docstore or SimpleDocumentStore())  # map store too
+    if is_instance_of(vector_store, "llama_index.vector_stores.qdrant", "QdrantVectorStore"):
         return QdrantBackend(vector_store, None)
-    if _is_milvus(vector_store):
+    if is_instance_of(vector_store, "llama_index.vector_stores.milvus", "MilvusVectorStore"):
         return MilvusBackend(vector_store, None)
     if not vector_store.stores_text and docstore is None:
         docstore = SimpleDocumentStore()
