@@ -390,6 +390,42 @@ def test_build_into_a_given_storage_context_and_reload(tmp_path: Path) -> None:
     assert [n.to_dict() for n in loaded.tree.nodes] == [n.to_dict() for n in index.tree.nodes]
 
 
+def reopen_index(persist_dir: Path, vector_store: Any) -> RaptorIndex:
+    """``load_index_from_storage`` over ``vector_store``, with the components updates need."""
+    loaded = load_index_from_storage(
+        StorageContext.from_defaults(vector_store=vector_store, persist_dir=persist_dir),
+        embed_model=FakeEmbedder(32),
+        summarizer=EchoSummarizer(),
+        tokenizer=WhitespaceTokenizer(),
+        clusterer=GroupClusterer(2),
+    )
+    assert isinstance(loaded, RaptorIndex)
+    return loaded
+
+
+def assert_reopened_like(loaded: RaptorIndex, reference: RaptorIndex, query: str) -> None:
+    """A reopened index holds the reference's nodes, answers like it, and updates like it.
+
+    Stores that list in their own order (Qdrant: by point id) give the same nodes in
+    another order.
+    """
+    assert sorted(loaded.tree.nodes, key=lambda n: n.id) == sorted(
+        reference.tree.nodes, key=lambda n: n.id
+    )
+    for strategy in ("collapsed", "passage", "traversal"):
+        kwargs = {"similarity_top_k": 6, "strategy": strategy, "max_tokens": 40}
+        assert answers(loaded, query, **kwargs) == answers(reference, query, **kwargs)
+    extra = Document(text="Volcanoes erupt lava. Magma rises from the mantle.", id_="volcano")
+    for target in (loaded, reference):
+        target.insert(extra)
+        target.delete_ref_doc("cats")
+    assert {n.id for n in loaded.store} == {n.id for n in reference.tree.nodes}
+    assert_same_ranking(
+        answers(loaded, "volcanoes erupt lava", similarity_top_k=5),
+        answers(reference, "volcanoes erupt lava", similarity_top_k=5),
+    )
+
+
 def test_an_index_in_a_faiss_vector_store_reloads_and_updates(tmp_path: Path) -> None:
     # FaissVectorStore answers with FAISS labels and keeps no ids, texts or metadata; the
     # docstore records each node's label, so a reloaded index searches, lists and updates.
@@ -406,18 +442,7 @@ def test_an_index_in_a_faiss_vector_store_reloads_and_updates(tmp_path: Path) ->
     index.storage_context.persist(persist_dir=tmp_path)
 
     def reopen() -> RaptorIndex:
-        loaded = load_index_from_storage(
-            StorageContext.from_defaults(
-                vector_store=FaissVectorStore.from_persist_dir(str(tmp_path)),
-                persist_dir=tmp_path,
-            ),
-            embed_model=FakeEmbedder(32),
-            summarizer=EchoSummarizer(),
-            tokenizer=WhitespaceTokenizer(),
-            clusterer=GroupClusterer(2),
-        )
-        assert isinstance(loaded, RaptorIndex)
-        return loaded
+        return reopen_index(tmp_path, FaissVectorStore.from_persist_dir(str(tmp_path)))
 
     loaded = reopen()
     assert answers(loaded, query, similarity_top_k=4) == on_tree
@@ -467,19 +492,6 @@ def test_an_index_in_qdrant_reopens_and_updates(tmp_path: Path) -> None:
     index.storage_context.persist(persist_dir=tmp_path / "index")
     store.client.close()  # local mode holds a lock on its folder
 
-    def reopen() -> RaptorIndex:
-        loaded = load_index_from_storage(
-            StorageContext.from_defaults(
-                vector_store=vector_store(), persist_dir=tmp_path / "index"
-            ),
-            embed_model=FakeEmbedder(32),
-            summarizer=EchoSummarizer(),
-            tokenizer=WhitespaceTokenizer(),
-            clusterer=GroupClusterer(2),
-        )
-        assert isinstance(loaded, RaptorIndex)
-        return loaded
-
     # A misspelled collection reads as a new, empty one: refused, not answered with nothing.
     wrong = vector_store("essay")
     misplaced = load_index_from_storage(
@@ -489,23 +501,9 @@ def test_an_index_in_qdrant_reopens_and_updates(tmp_path: Path) -> None:
     with pytest.raises(InvalidParameterError, match="holds none of the"):
         misplaced.as_retriever().retrieve(query)
     wrong.client.close()
-    loaded = reopen()
-    # Qdrant lists points in id order, not insertion order: the same nodes, another order.
-    assert sorted(loaded.tree.nodes, key=lambda n: n.id) == sorted(
-        reference.tree.nodes, key=lambda n: n.id
-    )
-    for strategy in ("collapsed", "passage", "traversal"):
-        kwargs = {"similarity_top_k": 6, "strategy": strategy, "max_tokens": 40}
-        assert answers(loaded, query, **kwargs) == answers(reference, query, **kwargs)
-    extra = Document(text="Volcanoes erupt lava. Magma rises from the mantle.", id_="volcano")
-    for target in (loaded, reference):
-        target.insert(extra)
-        target.delete_ref_doc("cats")
-    assert {n.id for n in loaded.store} == {n.id for n in reference.tree.nodes}
-    assert_same_ranking(
-        answers(loaded, "volcanoes erupt lava", similarity_top_k=5),
-        answers(reference, "volcanoes erupt lava", similarity_top_k=5),
-    )
+    loaded = reopen_index(tmp_path / "index", vector_store())
+    assert_reopened_like(loaded, reference, query)
+    loaded.storage_context.vector_store.client.close()
     loaded.storage_context.vector_store.client.close()
 
 
@@ -573,32 +571,10 @@ def test_an_index_in_milvus_reopens_and_updates(tmp_path: Path) -> None:
     )
     index.storage_context.persist(persist_dir=tmp_path / "index")
     store.client.close()
-    loaded = load_index_from_storage(
-        StorageContext.from_defaults(
-            vector_store=MilvusVectorStore(uri=uri, dim=32, similarity_metric="IP"),
-            persist_dir=tmp_path / "index",
-        ),
-        embed_model=FakeEmbedder(32),
-        summarizer=EchoSummarizer(),
-        tokenizer=WhitespaceTokenizer(),
-        clusterer=GroupClusterer(2),
+    loaded = reopen_index(
+        tmp_path / "index", MilvusVectorStore(uri=uri, dim=32, similarity_metric="IP")
     )
-    assert isinstance(loaded, RaptorIndex)
-    assert sorted(loaded.tree.nodes, key=lambda n: n.id) == sorted(
-        reference.tree.nodes, key=lambda n: n.id
-    )
-    for strategy in ("collapsed", "passage", "traversal"):
-        kwargs = {"similarity_top_k": 6, "strategy": strategy, "max_tokens": 40}
-        assert_same_ranking(answers(loaded, query, **kwargs), answers(reference, query, **kwargs))
-    extra = Document(text="Volcanoes erupt lava. Magma rises from the mantle.", id_="volcano")
-    for target in (loaded, reference):
-        target.insert(extra)
-        target.delete_ref_doc("cats")
-    assert {n.id for n in loaded.store} == {n.id for n in reference.tree.nodes}
-    assert_same_ranking(
-        answers(loaded, "volcanoes erupt lava", similarity_top_k=5),
-        answers(reference, "volcanoes erupt lava", similarity_top_k=5),
-    )
+    assert_reopened_like(loaded, reference, query)
 
 
 def test_a_faiss_index_that_cannot_return_its_vectors_is_refused_clearly() -> None:
