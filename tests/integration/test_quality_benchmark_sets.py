@@ -9,15 +9,10 @@ named retriever was scored.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "quality.py"
+from benchmark_scripts import run_benchmark
 
 _TOPICS = {
     "bees": [
@@ -86,33 +81,21 @@ def test_sets_of_other_names_are_scored_by_their_gold_signal(tmp_path: Path) -> 
     data, out = tmp_path / "data", tmp_path / "out"
     data.mkdir()
     _write_sets(data)
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--data",
-            str(data),
-            "--sets",
-            "all",
-            "--limit-docs",
-            "0",
-            "--limit-questions",
-            "0",
-            "--retrievers",
-            "passage,dense,bm25",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
+    proc = run_benchmark(
+        "quality.py",
+        "--data",
+        str(data),
+        "--sets",
+        "all",
+        "--limit-docs",
+        "0",
+        "--limit-questions",
+        "0",
+        "--retrievers",
+        "passage,dense,bm25",
+        "--out",
+        str(out),
         timeout=600,
-        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # Multiple choice without evidence needs a reader model: skipped, and said so.
@@ -133,13 +116,8 @@ def test_sets_of_other_names_are_scored_by_their_gold_signal(tmp_path: Path) -> 
         assert cell["default"] is not None and cell["best_flat_name"] in {"dense", "bm25"}, name
     assert "## facts" in (out / "quality.md").read_text()
     # An unknown name that is not in --data is refused with the reason.
-    refused = subprocess.run(
-        [sys.executable, str(SCRIPT), "--data", str(data), "--sets", "nothing-here"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
+    refused = run_benchmark(
+        "quality.py", "--data", str(data), "--sets", "nothing-here", timeout=120
     )
     assert refused.returncode == 2 and "nothing-here" in refused.stderr
     assert "<name>_docs.jsonl and <name>.jsonl pair" in refused.stderr

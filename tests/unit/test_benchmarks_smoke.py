@@ -8,42 +8,26 @@ in-memory store returns for the same tree and queries.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "stores.py"
+from benchmark_scripts import run_benchmark
 
 
 @pytest.mark.slow
 def test_store_benchmark_runs_at_a_toy_size(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
     stores = ["memory", "file-mmap", "file-json-only"]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--sizes",
-            "300",
-            "--queries",
-            "5",
-            "--stores",
-            *stores,
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
+    proc = run_benchmark(
+        "stores.py",
+        "--sizes",
+        "300",
+        "--queries",
+        "5",
+        "--stores",
+        *stores,
+        "--out",
+        str(tmp_path),
         timeout=120,
-        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "stores.json").read_text())
