@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -98,12 +99,16 @@ def _inferred_spec(questions: list[Any]) -> tuple[list[str], str, int, int] | No
     return metrics, metrics[0], *OTHER_SET_LIMITS
 
 
+#: A set name is also a folder name (the tree cache, the per-set results): plain names only.
+_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
 def _discover(data: Path) -> list[str]:
     """Every set in ``data``: a ``<name>_docs.jsonl`` with its ``<name>.jsonl``, known sets first."""
     found = sorted(
-        p.name.removesuffix("_docs.jsonl")
-        for p in data.glob("*_docs.jsonl")
-        if (data / (p.name.removesuffix("_docs.jsonl") + ".jsonl")).is_file()
+        name
+        for name in (p.name.removesuffix("_docs.jsonl") for p in data.glob("*_docs.jsonl"))
+        if _SET_NAME.fullmatch(name) and (data / f"{name}.jsonl").is_file()
     )
     return [s for s in SETS if s in found] + [s for s in found if s not in SETS]
 
@@ -159,7 +164,11 @@ def main() -> int:
         s
         for s in sets
         if s not in SETS
-        and not ((data / f"{s}_docs.jsonl").is_file() and (data / f"{s}.jsonl").is_file())
+        and not (
+            _SET_NAME.fullmatch(s)
+            and (data / f"{s}_docs.jsonl").is_file()
+            and (data / f"{s}.jsonl").is_file()
+        )
     ]
     if unknown:
         parser.error(

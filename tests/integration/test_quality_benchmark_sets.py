@@ -81,6 +81,9 @@ def test_sets_of_other_names_are_scored_by_their_gold_signal(tmp_path: Path) -> 
     data, out = tmp_path / "data", tmp_path / "out"
     data.mkdir()
     _write_sets(data)
+    # A set name becomes a folder name (the tree cache): ".." would point outside it.
+    for suffix in ("_docs.jsonl", ".jsonl"):
+        (data / f"..{suffix}").write_bytes((data / f"facts{suffix}").read_bytes())
     proc = run_benchmark(
         "quality.py",
         "--data",
@@ -121,3 +124,5 @@ def test_sets_of_other_names_are_scored_by_their_gold_signal(tmp_path: Path) -> 
     )
     assert refused.returncode == 2 and "nothing-here" in refused.stderr
     assert "<name>_docs.jsonl and <name>.jsonl pair" in refused.stderr
+    outside = run_benchmark("quality.py", "--data", str(data), "--sets", "..", timeout=120)
+    assert outside.returncode == 2 and "unknown sets ['..']" in outside.stderr
