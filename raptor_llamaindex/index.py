@@ -56,6 +56,7 @@ from raptor_llamaindex.ingestion import (
 )
 from raptor_llamaindex.models import resolve_embedder, resolve_summarizer
 from raptor_llamaindex.retriever import (
+    BUILDER_FLAGS,
     BUILDER_PARAMS,
     DEFAULT_STRATEGY,
     RaptorRetriever,
@@ -151,9 +152,14 @@ def _empty_tree(embedder: Embedder) -> Tree:
 
 
 def _jsonable_builder_args(args: Mapping[str, Any]) -> dict[str, Any]:
-    # Only the plain numbers a load accepts back (BUILDER_PARAMS).  Components (tokenizer,
-    # chunker, clusterer, progress) and the cache location are passed again to load().
-    return {k: v for k, v in args.items() if k in BUILDER_PARAMS and (v is None or type(v) is int)}
+    # Only the plain numbers and flags a load accepts back (BUILDER_PARAMS, BUILDER_FLAGS).
+    # Components (tokenizer, chunker, clusterer, progress) and the cache location are passed
+    # again to load().
+    numbers = {
+        k: v for k, v in args.items() if k in BUILDER_PARAMS and (v is None or type(v) is int)
+    }
+    flags = {k: v for k, v in args.items() if k in BUILDER_FLAGS and type(v) is bool}
+    return {**numbers, **flags}
 
 
 class _TqdmProgress:

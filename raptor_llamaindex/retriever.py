@@ -628,6 +628,8 @@ BUILDER_PARAMS: dict[str, tuple[int, int, bool]] = {
     "n_threads": (1, 4_096, True),
     "random_state": (0, 2**32 - 1, True),
 }
+#: ``TreeBuilder`` flags ``raptor_llamaindex.json`` may hold (True or False, nothing else).
+BUILDER_FLAGS: frozenset[str] = frozenset({"section_context"})
 #: Keys an older raptor_llamaindex wrote that a read drops (with a warning) instead of using.
 _DROPPED_BUILDER_KEYS = frozenset({"cache"})
 _RETRIEVER_KEYS = frozenset(
@@ -676,6 +678,11 @@ def check_builder_section(path: Path | str, section: object) -> dict[str, Any]:
                 key,
                 key,
             )
+            continue
+        if key in BUILDER_FLAGS:
+            if not isinstance(value, bool):
+                raise _bad(path, f"builder parameter {key} = {str(value)[:80]!r} is not a flag")
+            out[key] = value
             continue
         if key not in BUILDER_PARAMS:
             raise _bad(path, f"unknown builder parameter {str(key)[:80]!r}")
@@ -758,7 +765,7 @@ def read_params(directory: str | os.PathLike[str]) -> dict[str, Any]:
     The file is data from whoever handed over the directory, so its schema is checked
     strictly: known keys only, JSON scalars of the right type within bounds, strategy
     parameters the strategy accepts (never an object such as ``index``), builder parameters
-    from :data:`BUILDER_PARAMS` only.  A ``cache`` directory written by older versions is
+    from :data:`BUILDER_PARAMS` and :data:`BUILDER_FLAGS` only.  A ``cache`` directory written by older versions is
     dropped with a warning: a file never chooses where we write.
 
     Raises:

@@ -182,6 +182,15 @@ class TreeBuilder:
         clusterer: soft-clusters vectors (default: :class:`GMMClusterer` seeded with
             ``random_state``).
         chunk_max_tokens: leaf chunk size; the paper uses 100.
+        section_context: embed each leaf that sits under a section heading (Markdown, HTML
+            or a plain-text heading line: :mod:`raptor_core.build.sections`) twice, alone
+            and with the heading before its text, and keep the normalised mean of the two
+            vectors; its text is unchanged.  A chunk of a paper's "Baselines" section is then
+            found by the section it belongs to as well as by what it says.  Documents
+            without headings (stories, transcripts) and pre-split chunks are embedded as
+            before.  It costs one more embedding per such leaf; what it gains is measured in
+            ``docs/retrieval.md`` ("Section context").  An update embeds new leaves as the
+            tree's own were, whatever this builder's setting.
         summary_max_tokens: summary length asked of the summariser; the paper uses 100.
         cluster_max_tokens: a cluster whose text exceeds this is re-clustered so the
             summariser's input stays bounded; the paper uses 3,500.
@@ -234,6 +243,7 @@ class TreeBuilder:
         chunker: Chunker | None = None,
         clusterer: Clusterer | None = None,
         chunk_max_tokens: int = 100,
+        section_context: bool = True,
         summary_max_tokens: int = 100,
         cluster_max_tokens: int = 3500,
         max_layers: int = 5,
@@ -253,6 +263,7 @@ class TreeBuilder:
         self.chunker = chunker
         self.clusterer = clusterer
         self.chunk_max_tokens = chunk_max_tokens
+        self.section_context = section_context
         self.summary_max_tokens = summary_max_tokens
         self.cluster_max_tokens = cluster_max_tokens
         self.max_layers = max_layers
@@ -278,6 +289,7 @@ class TreeBuilder:
     def get_params(self) -> dict[str, Any]:
         """The builder's parameters, JSON-serialisable (recorded in ``Tree.params``)."""
         params: dict[str, Any] = {name: getattr(self, name) for name in self._int_params}
+        params["section_context"] = self.section_context
         params["n_threads"] = self.n_threads
         params["random_state"] = self.random_state
         return params
@@ -294,6 +306,9 @@ class TreeBuilder:
                 f"cluster_max_tokens ({self.cluster_max_tokens}) must be at least chunk_max_tokens "
                 f"({self.chunk_max_tokens}), or no cluster of two chunks could be summarised"
             )
+            raise InvalidParameterError(msg)
+        if not isinstance(self.section_context, bool):
+            msg = f"section_context must be True or False, got {self.section_context!r}"
             raise InvalidParameterError(msg)
         if self.n_threads is not None and (
             not isinstance(self.n_threads, int) or self.n_threads < 1
@@ -352,7 +367,7 @@ class TreeBuilder:
         run = _BuildRun(self, documents)
         with limit_threads(self.n_threads):
             run.make_leaves()
-            run.commit_layer(run.embed_sync(run.layer_texts()))
+            run.commit_layer(run.leaf_vectors(run.embed_sync(run.leaf_texts_to_embed())))
             while run.next_clusters():
                 summaries = run.summarize_sync()
                 run.add_layer(summaries)
@@ -367,7 +382,7 @@ class TreeBuilder:
         """
         run = _BuildRun(self, documents)
         await asyncio.to_thread(run.make_leaves)
-        run.commit_layer(await run.aembed(run.layer_texts()))
+        run.commit_layer(run.leaf_vectors(await run.aembed(run.leaf_texts_to_embed())))
         while await asyncio.to_thread(run.next_clusters):
             summaries = await run.summarize_async()
             run.add_layer(summaries)
@@ -487,8 +502,14 @@ class TreeBuilder:
             chunker = SentenceChunker(tokenizer, max_tokens=self.chunk_max_tokens)
         from raptor_core.build.leaves import document_leaves
 
-        tokens = [
-            leaf.token_count for doc in docs for leaf in document_leaves(doc, chunker, tokenizer)
+        leaves = [leaf for doc in docs for leaf in document_leaves(doc, chunker, tokenizer)]
+        tokens = [leaf.token_count for leaf in leaves]
+        # Leaves under a section heading are embedded a second time, with the heading.
+        in_context = [
+            count_tokens(tokenizer, text)
+            for text in (
+                _leaf_context(docs, leaves) if self.section_context is True else {}
+            ).values()
         ]
         overhead = 0  # prompt tokens sent with every cluster (template, system message)
         render = getattr(self.summarizer, "render", None)
@@ -503,7 +524,10 @@ class TreeBuilder:
         n, per_node = len(tokens), (sum(tokens) / len(tokens) if tokens else 0.0)
         layers = [
             LayerEstimate(
-                layer=0, nodes=n, embed_calls=math.ceil(n / batch), embed_tokens=sum(tokens)
+                layer=0,
+                nodes=n,
+                embed_calls=math.ceil((n + len(in_context)) / batch),
+                embed_tokens=sum(tokens) + sum(in_context),
             )
         ]
         for layer in range(1, self.max_layers + 1):
@@ -618,6 +642,10 @@ class _BuildRun:
             "summarize": 0.0,
         }
         self.layers_info: list[dict[str, Any]] = []
+        # What each new leaf under a section heading is embedded with besides its own text
+        # (leaf id -> "heading\ntext"); see TreeBuilder's section_context.
+        self.section_context = bool(builder.section_context)
+        self.leaf_context: dict[str, str] = {}
         self.stop_reason = ""
         self.layer = 0
 
@@ -688,7 +716,32 @@ class _BuildRun:
             self.layer_nodes.extend(document_leaves(doc, self.chunker, self.tokenizer))
             self._progress("chunk", d + 1, len(self.docs))
         warn_long_chunks(self.layer_nodes, self.b.cluster_max_tokens)
+        if self.section_context:
+            self.leaf_context = _leaf_context(self.docs, self.layer_nodes)
         self.timings["chunk"] += time.perf_counter() - start
+
+    def leaf_texts_to_embed(self) -> list[str]:
+        """The new leaves' texts, then the in-context texts of those under a heading."""
+        nodes = self.layer_nodes
+        return [n.text for n in nodes] + [
+            self.leaf_context[n.id] for n in nodes if n.id in self.leaf_context
+        ]
+
+    def leaf_vectors(self, vectors: NDArray[np.float32]) -> NDArray[np.float32]:
+        """The leaves' vectors from :meth:`leaf_texts_to_embed`'s (unit) vectors.
+
+        A leaf under a heading gets the normalised mean of its two vectors: alone and in
+        context.  Either alone would lose something: the heading prefix makes the leaves of a
+        section alike, and the plain vector misses what the section is about.
+        """
+        n = len(self.layer_nodes)
+        rows = [i for i, node in enumerate(self.layer_nodes) if node.id in self.leaf_context]
+        if not rows:
+            return vectors[:n]
+        out = np.array(vectors[:n], dtype=np.float32, copy=True)
+        mixed = out[rows].astype(np.float64) + vectors[n:].astype(np.float64)
+        out[rows] = mixed / np.linalg.norm(mixed, axis=1, keepdims=True)
+        return out
 
     # -- stage: embed --------------------------------------------------------------------------
     def _check_vectors(self, vectors: object, texts: Sequence[str]) -> NDArray[np.float32]:
@@ -758,9 +811,6 @@ class _BuildRun:
         out = self._check_vectors(vectors, texts)
         self.timings["embed"] += time.perf_counter() - start
         return out
-
-    def layer_texts(self) -> list[str]:
-        return [n.text for n in self.layer_nodes]
 
     def commit_layer(self, vectors: NDArray[np.float32]) -> None:
         """Record the current layer's nodes with their (checked, unit) vectors."""
@@ -1067,6 +1117,24 @@ class _BuildRun:
             info["max_cost_usd"] = budget.max_cost_usd
             info["max_summary_tokens"] = budget.max_summary_tokens
         return info
+
+
+def _leaf_context(docs: Sequence[Document], leaves: Sequence[Node]) -> dict[str, str]:
+    """Leaf id -> the text a leaf under a section heading is also embedded as."""
+    from raptor_core.build.sections import leaf_headings
+
+    texts = {doc.doc_id: doc.text for doc in docs if doc.chunk_of is None}
+    by_doc: dict[str, list[Node]] = {}
+    for leaf in leaves:
+        if leaf.span is not None and leaf.doc_id in texts:
+            by_doc.setdefault(leaf.doc_id, []).append(leaf)
+    context: dict[str, str] = {}
+    for doc_id, doc_leaves in by_doc.items():
+        spans = [leaf.span for leaf in doc_leaves if leaf.span is not None]
+        for leaf, heading in zip(doc_leaves, leaf_headings(texts[doc_id], spans), strict=True):
+            if heading is not None:
+                context[leaf.id] = f"{heading}\n{leaf.text}"
+    return context
 
 
 def summary_node(*, layer: int, text: str, members: Sequence[Node], token_count: int) -> Node:

@@ -255,6 +255,10 @@ class _UpdateRun(_BuildRun):
         builder._validate()
         self.docs = list(add)
         self._setup(builder)
+        # New leaves are embedded as the tree's were, whatever this builder says: an update
+        # must give the tree a full rebuild with the tree's parameters would (trees from
+        # before section_context existed were embedded without it).
+        self.section_context = tree.params.get("section_context") is True
         if tree.dim == 0 or len(tree) == 0:
             msg = "the tree is empty: build one with TreeBuilder.build()"
             raise InvalidInputError(msg)
@@ -317,7 +321,7 @@ class _UpdateRun(_BuildRun):
                 self.docs_added.append(source)
             keep.extend(new)
         self.layer_nodes = keep
-        return [n.text for n in keep]
+        return self.leaf_texts_to_embed()
 
     @property
     def nothing_to_do(self) -> bool:
@@ -334,7 +338,7 @@ class _UpdateRun(_BuildRun):
         nodes = [self.tree.nodes[r] for r in kept_rows] + self.layer_nodes
         vecs = [self.tree.embeddings[kept_rows]]
         if self.layer_nodes:
-            vecs.append(vectors)
+            vecs.append(self.leaf_vectors(vectors))
         self.out_nodes.append(nodes)
         self.out_vectors.append(np.concatenate(vecs).astype(np.float32, copy=False))
         self.orphans = [n.id for n in self.layer_nodes]

@@ -346,6 +346,7 @@ def run_build(args: argparse.Namespace) -> int:
     embedder, summarizer = models.build_models(args)
     builder_args: dict[str, Any] = {
         "chunk_max_tokens": args.chunk_tokens,
+        "section_context": not args.no_section_context,
         "summary_max_tokens": args.summary_tokens,
         "cluster_max_tokens": args.cluster_max_tokens,
         "max_layers": args.max_layers,
@@ -419,6 +420,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     build.add_argument("--overwrite", action="store_true", help="replace the tree already in --out")
     build.add_argument(
         "--chunk-tokens", type=positive, default=100, help="leaf chunk size (default 100)"
+    )
+    build.add_argument(
+        "--no-section-context",
+        action="store_true",
+        help="embed each leaf by its text alone, not also under its section heading",
     )
     build.add_argument(
         "--summary-tokens", type=positive, default=100, help="summary length (default 100)"

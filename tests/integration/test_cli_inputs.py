@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from input_files import HTML, make_docx, make_pdf
 
@@ -127,3 +128,21 @@ def test_quickstart_on_a_bare_install_prints_nothing_on_stderr(tmp_path: Path) -
     proc = subprocess.run(query, capture_output=True, text=True, env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
+
+
+def test_no_section_context_embeds_leaves_by_their_text_alone(tmp_path: Path) -> None:
+    body = " ".join(
+        f"Sentence {i} says something about the colony and its queen." for i in range(30)
+    )
+    (tmp_path / "bees.md").write_text(f"# Bees\n\n## Swarming\n{body}\n")
+    for name, flags in (("with", []), ("without", ["--no-section-context"])):
+        proc = raptor("build", "bees.md", "--out", name, "--max-layers", "0", *flags, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+    with_, without = Tree.load(tmp_path / "with"), Tree.load(tmp_path / "without")
+    assert (with_.params["section_context"], without.params["section_context"]) == (True, False)
+    assert [leaf.id for leaf in with_.leaves] == [leaf.id for leaf in without.leaves]
+    # Leaves after the first (which holds the headings) are under "Swarming": their vectors differ.
+    rows = with_.layer_rows(0)[1:]
+    assert len(rows) >= 2
+    assert not np.allclose(with_.embeddings[rows], without.embeddings[rows], atol=1e-4)
+    assert np.allclose(with_.embeddings[0], without.embeddings[0], atol=1e-5)

@@ -660,6 +660,7 @@ def test_filters_are_honoured_like_the_core_where() -> None:
     [
         ("builder", {"cache": "/etc"}, None),
         ("builder", {"chunk_max_tokens": "lots"}, "chunk_max_tokens"),
+        ("builder", {"section_context": "yes"}, "section_context"),
         ("retriever", {"strategy": "os.system"}, "unknown strategy"),
         ("retriever", {"index": "faiss"}, "unknown retriever parameter"),
         ("params", ["not", "an", "object"], "params"),
@@ -687,6 +688,16 @@ def test_a_tampered_index_store_is_refused(
         return
     with pytest.raises(TreeFormatError, match=match):
         load_index_from_storage(context, embed_model=FakeEmbedder(32))
+
+
+def test_a_builder_flag_survives_persist_and_load(tmp_path: Path) -> None:
+    index = RaptorIndex.from_documents(documents(), **options(section_context=False))
+    assert index.tree.params["section_context"] is False
+    index.storage_context.persist(persist_dir=tmp_path)
+    loaded = load_index_from_storage(
+        StorageContext.from_defaults(persist_dir=tmp_path), embed_model=FakeEmbedder(32)
+    )
+    assert loaded._builder_kwargs["section_context"] is False
 
 
 def test_unknown_load_arguments_are_refused(tmp_path: Path) -> None:

@@ -1,0 +1,93 @@
+"""Section headings: the context a leaf is embedded in (``TreeBuilder(section_context=True)``).
+
+A ~100-token chunk of a paper's "Baselines" section, or of a web page's "Career" records, often
+does not say what it is about: the heading above it does.  The builder embeds such a leaf twice,
+alone and under its heading, and keeps the normalised mean of the two vectors, so the leaf is
+found both by what it says and by the section it belongs to (its text is unchanged).
+
+Headings are read from the document text in three forms, whatever the source:
+
+* Markdown ATX headings (``# Results``, ``## 3.2 Ablations``), as converters write them;
+* HTML headings (``<h2>Career</h2>``, any case, tags inside stripped);
+* plain-text heading lines, as text extracted from PDFs and web pages has them: a line of one
+  to ten words and at most 80 characters that starts with a capital or a digit, does not end
+  like a sentence or a clause (``.!?:;,``, a closing quote or bracket), holds no ``": "`` (a
+  meeting turn, a label) and is followed by a line of prose: at least twelve words (and at
+  least twice its own) that does not start in lower case (hard-wrapped prose continues in
+  lower case).
+
+Stories and meeting transcripts have none of these and are embedded as before.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import re
+from collections.abc import Sequence
+
+__all__ = ["leaf_headings", "section_headings"]
+
+_MARKDOWN = re.compile(r"^[ \t]{0,3}#{1,6}[ \t]+(\S.*?)(?:[ \t]+#+)?[ \t]*$", re.MULTILINE)
+_HTML = re.compile(r"<h([1-6])(?:\s[^>]*)?>(.*?)</h\1\s*>", re.IGNORECASE | re.DOTALL)
+_TAG = re.compile(r"<[^>]*>")
+_LINE = re.compile(r"[^\n\r]+")
+_NOT_A_HEADING_END = frozenset(".!?:;,\"'”’)]»")
+# A plain-text heading line: short, and followed by a line of prose.
+_MAX_HEADING_WORDS = 10
+_MAX_HEADING_CHARS = 80
+_MIN_BODY_WORDS = 12
+
+
+def _is_heading_line(line: str, following: str) -> bool:
+    words = line.split()
+    if not 1 <= len(words) <= _MAX_HEADING_WORDS or len(line) > _MAX_HEADING_CHARS:
+        return False
+    if line[-1] in _NOT_A_HEADING_END or ": " in line:
+        return False
+    if not (line[0].isupper() or line[0].isdigit()):
+        return False
+    if not following or following[0].islower():
+        return False
+    return len(following.split()) >= max(_MIN_BODY_WORDS, 2 * len(words))
+
+
+def section_headings(text: str) -> list[tuple[int, str]]:
+    """The headings of ``text``: ``(offset where the heading starts, heading text)``, in order.
+
+    Examples:
+        >>> text = "# Results" + chr(10) + "The model wins." + chr(10) + "<h2>Career</h2> Most points."
+        >>> section_headings(text)
+        [(0, 'Results'), (26, 'Career')]
+    """
+    found: list[tuple[int, str]] = []
+    for match in _MARKDOWN.finditer(text):
+        indent = len(match.group()) - len(match.group().lstrip())
+        found.append((match.start() + indent, match.group(1).strip()))
+    for match in _HTML.finditer(text):
+        heading = " ".join(_TAG.sub(" ", match.group(2)).split())
+        if heading:
+            found.append((match.start(), heading))
+    lines = [(m.start(), m.group()) for m in _LINE.finditer(text)]
+    for (start, raw), (_, following) in itertools.pairwise(lines):
+        line = raw.strip()
+        if line and _is_heading_line(line, following.strip()):
+            found.append((start + len(raw) - len(raw.lstrip()), line))
+    found.sort()
+    return found
+
+
+def leaf_headings(text: str, spans: Sequence[tuple[int, int]]) -> list[str | None]:
+    """For each leaf span of ``text``, the heading of the section it starts in.
+
+    None where no heading precedes the leaf, or where the leaf starts with its heading (the
+    context is in its own text already).
+    """
+    headings = section_headings(text)
+    offsets = [offset for offset, _ in headings]
+    out: list[str | None] = []
+    for start, _end in spans:
+        h = bisect.bisect_right(offsets, start) - 1
+        # A leaf that starts with its heading (its markup included) holds it already.
+        out.append(headings[h][1] if h >= 0 and offsets[h] < start else None)
+    return out
