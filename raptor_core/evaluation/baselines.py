@@ -93,17 +93,34 @@ class BM25Baseline:
 
 
 class DenseBaseline:
-    """Cosine similarity over the tree's leaf embeddings: flat dense retrieval, same chunks.
+    """Cosine similarity over the leaves' own texts: flat dense retrieval, same chunks.
+
+    The tree's leaf vectors are reused where they are the text's own; a leaf that the tree
+    embedded under its section heading (``TreeBuilder(section_context=True)``) is embedded
+    again by its text alone, as a flat retriever over the same chunks would.
 
     Args:
-        corpus: the evaluation corpus; its embedder embeds the queries.
+        corpus: the evaluation corpus; its embedder embeds the queries (and those leaves).
     """
 
     def __init__(self, corpus: EvalCorpus) -> None:
         tree = corpus.tree
         rows = tree.layer_rows(0) if tree.num_layers else np.zeros(0, dtype=np.intp)
-        self.texts = [tree.nodes[int(r)].text for r in rows]
-        self._matrix = np.asarray(tree.embeddings[rows], dtype=np.float32)  # (n_leaves, d)
+        leaves = [tree.nodes[int(r)] for r in rows]
+        self.texts = [leaf.text for leaf in leaves]
+        matrix = np.array(tree.embeddings[rows], dtype=np.float32)  # (n_leaves, d)
+        if tree.params.get("section_context") is True:
+            from raptor_core.build.builder import _leaf_context
+
+            in_context = _leaf_context(corpus.documents, leaves)
+            redo = [i for i, leaf in enumerate(leaves) if leaf.id in in_context]
+            if redo:
+                plain = np.asarray(
+                    corpus.embedder.embed_documents([self.texts[i] for i in redo]),
+                    dtype=np.float32,
+                )
+                matrix[redo] = plain / np.linalg.norm(plain, axis=1, keepdims=True)
+        self._matrix = matrix
         self._dim = tree.dim
         self._embedder: Any = corpus.embedder
 

@@ -193,3 +193,29 @@ def test_estimate_counts_the_second_embedding_of_leaves_under_a_heading() -> Non
         len(tokenizer.encode(text)) for text in extra
     )
     assert with_.layers[0].nodes == without.layers[0].nodes
+
+
+def test_the_dense_baseline_embeds_leaves_by_their_text_alone() -> None:
+    from raptor_core.evaluation.baselines import DenseBaseline
+    from raptor_core.evaluation.runner import EvalCorpus
+
+    docs = [Document(text=PAPER, doc_id="paper"), Document(text=BODY * 3, doc_id="story")]
+
+    def corpus(tree: Tree) -> EvalCorpus:
+        return EvalCorpus(
+            name="all",
+            documents=tuple(docs),
+            tree=tree,
+            embedder=FakeEmbedder(),
+            tokenizer=WhitespaceTokenizer(),
+        )
+
+    with_, without = builder().build(docs), builder(section_context=False).build(docs)
+    assert not np.allclose(
+        with_.embeddings[with_.layer_rows(0)], without.embeddings[without.layer_rows(0)]
+    )
+    a, b = DenseBaseline(corpus(with_)), DenseBaseline(corpus(without))
+    np.testing.assert_allclose(a._matrix, b._matrix, atol=1e-6)
+    assert a.retrieve("baselines bag of words", max_tokens=50) == b.retrieve(
+        "baselines bag of words", max_tokens=50
+    )
