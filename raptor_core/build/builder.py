@@ -501,6 +501,7 @@ class TreeBuilder:
 
             chunker = SentenceChunker(tokenizer, max_tokens=self.chunk_max_tokens)
         from raptor_core.build.leaves import document_leaves
+        from raptor_core.build.sections import leaf_context
 
         leaves = [leaf for doc in docs for leaf in document_leaves(doc, chunker, tokenizer)]
         tokens = [leaf.token_count for leaf in leaves]
@@ -508,7 +509,7 @@ class TreeBuilder:
         in_context = [
             count_tokens(tokenizer, text)
             for text in (
-                _leaf_context(docs, leaves) if self.section_context is True else {}
+                leaf_context(docs, leaves) if self.section_context is True else {}
             ).values()
         ]
         overhead = 0  # prompt tokens sent with every cluster (template, system message)
@@ -717,7 +718,9 @@ class _BuildRun:
             self._progress("chunk", d + 1, len(self.docs))
         warn_long_chunks(self.layer_nodes, self.b.cluster_max_tokens)
         if self.section_context:
-            self.leaf_context = _leaf_context(self.docs, self.layer_nodes)
+            from raptor_core.build.sections import leaf_context
+
+            self.leaf_context = leaf_context(self.docs, self.layer_nodes)
         self.timings["chunk"] += time.perf_counter() - start
 
     def leaf_texts_to_embed(self) -> list[str]:
@@ -1117,24 +1120,6 @@ class _BuildRun:
             info["max_cost_usd"] = budget.max_cost_usd
             info["max_summary_tokens"] = budget.max_summary_tokens
         return info
-
-
-def _leaf_context(docs: Sequence[Document], leaves: Sequence[Node]) -> dict[str, str]:
-    """Leaf id -> the text a leaf under a section heading is also embedded as."""
-    from raptor_core.build.sections import leaf_headings
-
-    texts = {doc.doc_id: doc.text for doc in docs if doc.chunk_of is None}
-    by_doc: dict[str, list[Node]] = {}
-    for leaf in leaves:
-        if leaf.span is not None and leaf.doc_id in texts:
-            by_doc.setdefault(leaf.doc_id, []).append(leaf)
-    context: dict[str, str] = {}
-    for doc_id, doc_leaves in by_doc.items():
-        spans = [leaf.span for leaf in doc_leaves if leaf.span is not None]
-        for leaf, heading in zip(doc_leaves, leaf_headings(texts[doc_id], spans), strict=True):
-            if heading is not None:
-                context[leaf.id] = f"{heading}\n{leaf.text}"
-    return context
 
 
 def summary_node(*, layer: int, text: str, members: Sequence[Node], token_count: int) -> Node:

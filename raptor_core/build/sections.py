@@ -25,8 +25,13 @@ import bisect
 import itertools
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["leaf_headings", "section_headings"]
+if TYPE_CHECKING:
+    from raptor_core.tree import Node
+    from raptor_core.types import Document
+
+__all__ = ["leaf_context", "leaf_headings", "section_headings"]
 
 _MARKDOWN = re.compile(r"^[ \t]{0,3}#{1,6}[ \t]+(\S.*?)(?:[ \t]+#+)?[ \t]*$", re.MULTILINE)
 _HTML = re.compile(r"<h([1-6])(?:\s[^>]*)?>(.*?)</h\1\s*>", re.IGNORECASE | re.DOTALL)
@@ -91,3 +96,19 @@ def leaf_headings(text: str, spans: Sequence[tuple[int, int]]) -> list[str | Non
         # A leaf that starts with its heading (its markup included) holds it already.
         out.append(headings[h][1] if h >= 0 and offsets[h] < start else None)
     return out
+
+
+def leaf_context(docs: Sequence[Document], leaves: Sequence[Node]) -> dict[str, str]:
+    """Leaf id -> the text a leaf under a section heading is also embedded as."""
+    texts = {doc.doc_id: doc.text for doc in docs if doc.chunk_of is None}
+    by_doc: dict[str, list[Node]] = {}
+    for leaf in leaves:
+        if leaf.span is not None and leaf.doc_id in texts:
+            by_doc.setdefault(leaf.doc_id, []).append(leaf)
+    context: dict[str, str] = {}
+    for doc_id, doc_leaves in by_doc.items():
+        spans = [leaf.span for leaf in doc_leaves if leaf.span is not None]
+        for leaf, heading in zip(doc_leaves, leaf_headings(texts[doc_id], spans), strict=True):
+            if heading is not None:
+                context[leaf.id] = f"{heading}\n{leaf.text}"
+    return context

@@ -110,9 +110,9 @@ class DenseBaseline:
         self.texts = [leaf.text for leaf in leaves]
         matrix = np.array(tree.embeddings[rows], dtype=np.float32)  # (n_leaves, d)
         if tree.params.get("section_context") is True:
-            from raptor_core.build.builder import _leaf_context
+            from raptor_core.build.sections import leaf_context
 
-            in_context = _leaf_context(corpus.documents, leaves)
+            in_context = leaf_context(corpus.documents, leaves)
             redo = [i for i, leaf in enumerate(leaves) if leaf.id in in_context]
             if redo:
                 plain = np.asarray(
