@@ -13,8 +13,9 @@ more than the next fragment elsewhere.  This strategy:
    the budget holds, so a store is searched once whatever its size;
 2. grows each seed into a passage with up to ``window`` adjacent leaves on each side, as
    long as each added leaf is itself relevant: within the ``rank_factor * K`` best leaves
-   by cosine similarity **or** by BM25, where ``K`` is the number of leaves the budget holds
-   (``max_tokens`` over the mean leaf length).  The threshold is relative to the budget:
+   by cosine similarity, where ``K`` is the number of leaves the budget holds (``max_tokens``
+   over the mean leaf length).  BM25 proposes seeds but does not make a neighbour relevant:
+   on long pages chunk after chunk repeats the question's words.  The threshold is relative to the budget:
    the context a seed brings along must be as relevant as what flat retrieval with a few
    times the budget would have returned anyway.  The side whose next leaf is stronger
    grows first, and one seed grows into at most ``max_share`` of the budget;
@@ -28,8 +29,9 @@ the strategy works on the leaves its one search *found* (``scope="found"``): see
 cosine alone, and two found leaves are neighbours when their spans in the same document are
 separated by at most two characters (the whitespace between consecutive chunks; no chunk
 fits in it).  Growth only ever adds leaves among the ``rank_factor * K`` best by cosine,
-which that search returns, so without BM25 nothing is lost but the lexical signal and the
-exact mean leaf size (``K`` is taken from the found leaves).
+which that search returns, so the passages grow by the same rule as with every leaf read;
+what is lost is BM25's seeds and the exact mean leaf size (``K`` is taken from the found
+leaves).
 
 Seeds are not an equal-weight fusion of the two signals: BM25's few strongest matches
 become seeds next to the dense ones, but below them the dense order rules, because on
@@ -83,7 +85,7 @@ __all__ = [
 ]
 
 #: A neighbour joins a passage when it ranks within this many times the leaves that fit
-#: the budget (by cosine or BM25).  Measured on the development documents: 3 to 6 score
+#: the budget (by cosine).  Measured on the development documents: 3 to 6 score
 #: alike; below 2 passages rarely grow, above 8 they take budget from distinct hits.
 DEFAULT_RANK_FACTOR = 4.0
 #: At most this many leaves are added on each side of a seed: a passage of up to five
@@ -446,12 +448,12 @@ class PassageRetriever(TreeRetriever):
             strongest leaves are returned one per hit.
         window: at most this many leaves added on each side of a seed.
         rank_factor: a neighbour is added when it is among the ``rank_factor * K`` best
-            leaves by cosine or by BM25, ``K`` being the number of leaves the budget holds
+            leaves by cosine, ``K`` being the number of leaves the budget holds
             (``max_tokens`` over the mean leaf length).
         max_share: one seed grows into at most this share of ``max_tokens`` (in (0, 1];
             the seed itself always counts), so a small budget still holds more than one
             place of the document.  Passages of two seeds that touch still merge.
-        lexical: use BM25 (built from the leaf texts) as evidence for growing passages.
+        lexical: seed passages from BM25 (built from the leaf texts) as well as by cosine.
         min_score: leaves whose cosine similarity is below this never seed a passage.
         scope: which leaves a search works on.  ``"all"``: every leaf of the store, read
             once and kept (BM25 over all of them, neighbours in document order); the store
@@ -569,7 +571,7 @@ class PassageRetriever(TreeRetriever):
         # full scan of a vector store on every such query (a budget left a few tokens short
         # of any leaf, when leaves are never cut, ran out every pool).
         ranked = self._rank(leaves, vector, lexical, depth, min(m, n))
-        return self._fill(leaves, ranked, k, max_tokens, depth, lexical=self.lexical)
+        return self._fill(leaves, ranked, k, max_tokens, depth)
 
     def _retrieve_found(
         self, vector: NDArray[np.float32], *, k: int, max_tokens: int | None
@@ -601,7 +603,7 @@ class PassageRetriever(TreeRetriever):
         ranked = _Ranking(
             cosine=cosine, relevant=relevant, strength=strength, seeds=seeds, position=position
         )
-        return self._fill(leaves, ranked, k, max_tokens, depth, lexical=False)
+        return self._fill(leaves, ranked, k, max_tokens, depth)
 
     def _fill(
         self,
@@ -610,8 +612,6 @@ class PassageRetriever(TreeRetriever):
         k: int,
         max_tokens: int | None,
         depth: int,
-        *,
-        lexical: bool,
     ) -> list[Hit]:
         """Grow the ranked seeds into passages within the budget, as hits."""
         n = len(leaves.nodes)
@@ -629,7 +629,7 @@ class PassageRetriever(TreeRetriever):
         selection = _Selection(tokens, order, max_tokens, k, allow_cut=tokenizer is not None)
         self._select(selection, ranked, order, tokens, cap)
         passages = self._passages(selection, ranked.position, leaves.nodes, tokenizer, max_tokens)
-        return [self._hit(p, ranked.cosine, leaves.nodes, depth, lexical=lexical) for p in passages]
+        return [self._hit(p, ranked.cosine, leaves.nodes, depth) for p in passages]
 
     def _rank(
         self,
@@ -641,7 +641,7 @@ class PassageRetriever(TreeRetriever):
     ) -> _Ranking:
         """The seed pool: the ``m`` best leaves by cosine and the ``m`` best by BM25.
 
-        ``relevant`` marks the ``depth`` best of each, the leaves a passage may grow into.
+        ``relevant`` marks the ``depth`` best by cosine, the leaves a passage may grow into.
         """
         n = len(leaves.nodes)
         store = self.store
@@ -659,10 +659,10 @@ class PassageRetriever(TreeRetriever):
         pool = np.zeros(n, dtype=bool)
         pool[dense_order[:m]] = True
         if lexical is not None:
-            lexical_order = self._lexical_candidates(
-                leaves, vector, lexical, cosine, max(depth, m), everything
-            )
-            relevant[lexical_order[:depth]] = True
+            # BM25 proposes seeds only: a neighbour that merely repeats the question's words
+            # is not context (long pages repeat them in chunk after chunk), so growth asks
+            # for closeness in meaning, as it does with scope="found".
+            lexical_order = self._lexical_candidates(leaves, vector, lexical, cosine, m, everything)
             pool[lexical_order[:m]] = True
         known = ~np.isnan(cosine)
         # Every fetched leaf passes the filters: its BM25 counts towards its strength.
@@ -840,8 +840,6 @@ class PassageRetriever(TreeRetriever):
         cosine: NDArray[np.float32],
         nodes: list[Node],
         depth: int,
-        *,
-        lexical: bool,
     ) -> Hit:
         run = passage.leaves
         leaves = [nodes[leaf] for leaf in run]
@@ -852,8 +850,7 @@ class PassageRetriever(TreeRetriever):
         reason = f"seed {nodes[best].id} (cosine {float(cosine[best]):.3f})"
         grown = len(run) - 1
         if grown:
-            signals = "similarity or BM25" if lexical else "similarity"
-            reason += f", {grown} adjacent leaf{'' if grown == 1 else 's'} among the top {depth} by {signals}"
+            reason += f", {grown} adjacent leaf{'' if grown == 1 else 's'} among the top {depth} by similarity"
         if passage.cut is not None:
             reason += "; cut to the tokens left in the budget"
         score = similarity_score(float(cosine[best]))

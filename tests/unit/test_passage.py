@@ -315,6 +315,29 @@ def test_a_seed_grows_into_at_most_max_share_of_the_budget_stronger_side_first()
     assert _passage_leaves(swapped) == [("B", "C")]
 
 
+def test_bm25_seeds_but_does_not_make_a_neighbour_relevant() -> None:
+    # D shares every word with the query but is far from it in meaning; C is the only leaf
+    # close enough to seed (min_score) and, with rank_factor 0.2, the only relevant one.
+    tree = _five_leaves({"A": 0.1, "B": 0.6, "C": 1.0, "D": 0.1, "E": 0.1})
+
+    def passages(**params: object) -> list[tuple[str, ...]]:
+        retriever = PassageRetriever(
+            tree,
+            _QueryVector([1.0, 0.0, 0.0, 0.0]),  # type: ignore[arg-type]
+            max_tokens=45,
+            min_score=0.7,
+            budget_tokenizer=WhitespaceTokenizer(),
+            **params,  # type: ignore[arg-type]
+        )
+        return [hit.leaves or (hit.id,) for hit in retriever.retrieve("d1 d2 d3")]
+
+    assert passages(rank_factor=0.2) == [("C",)]
+    assert passages(rank_factor=0.2, lexical=False) == [("C",)]
+    # Relevant by cosine (every leaf, with a wide rank_factor), D does join: half the budget
+    # holds one neighbour, and D is the stronger side (its BM25 makes it a strong seed).
+    assert passages(rank_factor=10.0) == [("C", "D")]
+
+
 @pytest.mark.parametrize("share", [0, -0.5, 1.5, math.nan, math.inf, True, "half"])
 def test_max_share_must_be_in_the_unit_interval(tree: Tree, share: object) -> None:
     with pytest.raises(InvalidParameterError, match="max_share"):
