@@ -300,6 +300,8 @@ def main() -> int:
         "budgets": budgets,
         "seconds": {"total": elapsed, **seconds},
         "default": default,
+        # Each set's primary metric (the headline's), which benchmarks/compare.py reads.
+        "primary": {name: SETS[name][1] for name in results},
         "margins": {
             name: {
                 half: {
