@@ -186,9 +186,11 @@ class TreeBuilder:
             or a plain-text heading line: :mod:`raptor_core.build.sections`) twice, alone
             and with the heading before its text, and keep the normalised mean of the two
             vectors; its text is unchanged.  A chunk of a paper's "Baselines" section is then
-            found by the section it belongs to as well as by what it says.  Documents
-            without headings (stories, transcripts) and pre-split chunks are embedded as
-            before.  It costs one more embedding per such leaf; what it gains is measured in
+            found by the section it belongs to as well as by what it says.  A leaf in the
+            body of a Markdown or HTML table is embedded with the table's header row the
+            same way (after the heading, if any).  Documents without headings or tables
+            (stories, transcripts) and pre-split chunks are embedded as before.  It costs
+            one more embedding per such leaf; what it gains is measured in
             ``docs/retrieval.md`` ("Section context").  An update embeds new leaves as the
             tree's own were, whatever this builder's setting.
         summary_max_tokens: summary length asked of the summariser; the paper uses 100.

@@ -17,6 +17,12 @@ Headings are read from the document text in three forms, whatever the source:
   lower case).
 
 Stories and meeting transcripts have none of these and are embedded as before.
+
+Tables are sections of their own kind: a chunk of table rows (``| Net income | 10,000 |``)
+says nothing of what its columns are, the table's header row does.  A leaf that starts in the
+body of a table is also embedded under that table's header row (after the section heading, if
+any).  Tables are read in two forms: Markdown pipe tables (a header line, a ``|---|`` line,
+then the rows) and HTML tables (the first ``<tr>`` whose cells are all ``<th>``).
 """
 
 from __future__ import annotations
@@ -31,13 +37,29 @@ if TYPE_CHECKING:
     from raptor_core.tree import Node
     from raptor_core.types import Document
 
-__all__ = ["leaf_context", "leaf_headings", "section_headings"]
+__all__ = [
+    "leaf_context",
+    "leaf_headings",
+    "leaf_table_headers",
+    "section_headings",
+    "table_headers",
+]
 
 _MARKDOWN = re.compile(r"^[ \t]{0,3}#{1,6}[ \t]+(\S.*?)(?:[ \t]+#+)?[ \t]*$", re.MULTILINE)
 _HTML = re.compile(r"<h([1-6])(?:\s[^>]*)?>(.*?)</h\1\s*>", re.IGNORECASE | re.DOTALL)
 _TAG = re.compile(r"<[^>]*>")
 _LINE = re.compile(r"[^\n\r]+")
 _NOT_A_HEADING_END = frozenset(".!?:;,\"'”’)]»")
+# Tables: a Markdown header line and its delimiter line; the rows that follow; HTML rows.
+_PIPE_ROW = re.compile(r"^[ \t]*\|.*\|[ \t]*$")
+_PIPE_DELIMITER = re.compile(
+    r"^[ \t]*\|?[ \t]*:?-{3,}:?[ \t]*(?:\|[ \t]*:?-{3,}:?[ \t]*)+\|?[ \t]*$"
+)
+_HTML_TABLE = re.compile(r"<table\b[^>]*>(.*?)</table\s*>", re.IGNORECASE | re.DOTALL)
+_HTML_ROW = re.compile(r"<tr\b[^>]*>(.*?)</tr\s*>", re.IGNORECASE | re.DOTALL)
+# Cell tags; "_" after the name: some extracted pages write attributes as <Th_colspan="2">.
+_HTML_HEADER_CELL = re.compile(r"<th(?=[\s>_])", re.IGNORECASE)
+_HTML_DATA_CELL = re.compile(r"<td(?=[\s>_])", re.IGNORECASE)
 # A plain-text heading line: short, and followed by a line of prose.
 _MAX_HEADING_WORDS = 10
 _MAX_HEADING_CHARS = 80
@@ -82,6 +104,75 @@ def section_headings(text: str) -> list[tuple[int, str]]:
     return found
 
 
+def _pipe_tables(text: str) -> list[tuple[int, int, str]]:
+    # Every line with its offsets, blank ones too: a blank line ends a table.
+    lines = []
+    offset = 0
+    for line in text.splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        lines.append((offset, offset + len(body), body))
+        offset += len(line)
+    found = []
+    i = 0
+    while i + 1 < len(lines):
+        header = lines[i][2]
+        if not (_PIPE_ROW.match(header) and _PIPE_DELIMITER.match(lines[i + 1][2])):
+            i += 1
+            continue
+        body_start = lines[i + 1][1]
+        j = i + 2
+        while j < len(lines) and _PIPE_ROW.match(lines[j][2]):
+            j += 1
+        body_end = lines[j - 1][1]
+        if j > i + 2:  # a table with rows
+            cells = [c.strip() for c in header.strip().strip("|").split("|")]
+            found.append((body_start, body_end, " | ".join(c for c in cells if c)))
+        i = j
+    return found
+
+
+def _html_tables(text: str) -> list[tuple[int, int, str]]:
+    found = []
+    for table in _HTML_TABLE.finditer(text):
+        for row in _HTML_ROW.finditer(table.group(1)):
+            cells = row.group(1)
+            if _HTML_HEADER_CELL.search(cells) and not _HTML_DATA_CELL.search(cells):
+                header = " ".join(_TAG.sub(" ", cells).split())
+                if header:
+                    body_start = table.start(1) + row.end()
+                    found.append((body_start, table.end(), header))
+                break
+    return found
+
+
+def table_headers(text: str) -> list[tuple[int, int, str]]:
+    """The tables of ``text`` that have a header row: ``(body start, table end, header)``.
+
+    The body starts after the header row (a Markdown table's delimiter line); the header is
+    the row's cell texts (``"Item | 2023 | 2022"`` for Markdown, space-joined for HTML).
+
+    Examples:
+        >>> table_headers("| Item | 2023 |" + chr(10) + "|---|---|" + chr(10) + "| Net income | 9 |")
+        [(25, 44, 'Item | 2023')]
+    """
+    return sorted(_pipe_tables(text) + _html_tables(text))
+
+
+def leaf_table_headers(text: str, spans: Sequence[tuple[int, int]]) -> list[str | None]:
+    """For each leaf span of ``text``, the header row of the table whose body it starts in.
+
+    None where the leaf starts outside a table's body (a leaf that starts at or before the
+    header row holds it already).
+    """
+    tables = table_headers(text)
+    starts = [start for start, _, _ in tables]
+    out: list[str | None] = []
+    for start, _end in spans:
+        t = bisect.bisect_right(starts, start) - 1
+        out.append(tables[t][2] if t >= 0 and start < tables[t][1] else None)
+    return out
+
+
 def leaf_headings(text: str, spans: Sequence[tuple[int, int]]) -> list[str | None]:
     """For each leaf span of ``text``, the heading of the section it starts in.
 
@@ -99,7 +190,10 @@ def leaf_headings(text: str, spans: Sequence[tuple[int, int]]) -> list[str | Non
 
 
 def leaf_context(docs: Sequence[Document], leaves: Sequence[Node]) -> dict[str, str]:
-    """Leaf id -> the text a leaf under a section heading is also embedded as."""
+    """Leaf id -> the text a leaf under a section heading or in a table is also embedded as.
+
+    The section heading, then the table's header row, then the leaf's text, one per line.
+    """
     texts = {doc.doc_id: doc.text for doc in docs if doc.chunk_of is None}
     by_doc: dict[str, list[Node]] = {}
     for leaf in leaves:
@@ -108,7 +202,11 @@ def leaf_context(docs: Sequence[Document], leaves: Sequence[Node]) -> dict[str, 
     context: dict[str, str] = {}
     for doc_id, doc_leaves in by_doc.items():
         spans = [leaf.span for leaf in doc_leaves if leaf.span is not None]
-        for leaf, heading in zip(doc_leaves, leaf_headings(texts[doc_id], spans), strict=True):
-            if heading is not None:
-                context[leaf.id] = f"{heading}\n{leaf.text}"
+        text = texts[doc_id]
+        for leaf, heading, header in zip(
+            doc_leaves, leaf_headings(text, spans), leaf_table_headers(text, spans), strict=True
+        ):
+            parts = [part for part in (heading, header) if part is not None]
+            if parts:
+                context[leaf.id] = "\n".join([*parts, leaf.text])
     return context

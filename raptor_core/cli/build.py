@@ -424,7 +424,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     build.add_argument(
         "--no-section-context",
         action="store_true",
-        help="embed each leaf by its text alone, not also under its section heading",
+        help="embed each leaf by its text alone, not also under its section heading or table header",
     )
     build.add_argument(
         "--summary-tokens", type=positive, default=100, help="summary length (default 100)"

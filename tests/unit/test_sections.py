@@ -8,8 +8,15 @@ import numpy as np
 import pytest
 
 from raptor_core import InvalidParameterError, Tree, TreeBuilder
-from raptor_core.build.sections import leaf_headings, section_headings
+from raptor_core.build.sections import (
+    leaf_context,
+    leaf_headings,
+    leaf_table_headers,
+    section_headings,
+    table_headers,
+)
 from raptor_core.testing import EchoSummarizer, FakeEmbedder, GroupClusterer, WhitespaceTokenizer
+from raptor_core.tree import Node
 from raptor_core.types import Document
 
 BODY = (
@@ -71,6 +78,57 @@ def test_leaf_headings_follow_the_section_a_leaf_starts_in() -> None:
     assert leaf_headings(BODY, [(0, 10)]) == [None]
 
 
+ROWS = "\n".join(
+    f"| {item} | {n},000 | {n + 1},000 |"
+    for n, item in enumerate(["Revenue", "Net income", "Diluted EPS"])
+)
+FILING = (
+    f"# Results of operations\n{BODY}\n\n| Item | 2023 | 2022 |\n|:---|---:|---:|\n{ROWS}\n\n{BODY}"
+)
+PAGE = (
+    '<H1> Super Bowl </H1> <Table> <Tr> <Th> Game </Th> <Th> Date </Th> <Th_colspan="2"> Winner </Th> </Tr>'
+    " <Tr> <Td> I </Td> <Td> 1967 </Td> <Td> Green Bay </Td> </Tr> </Table> After the table."
+)
+
+
+def test_table_headers_of_markdown_and_html_tables() -> None:
+    ((start, end, header),) = table_headers(FILING)
+    assert header == "Item | 2023 | 2022"
+    assert FILING[start:end].strip() == ROWS  # the body: every row after the delimiter line
+    ((start, end, header),) = table_headers(PAGE)
+    assert header == "Game Date Winner"
+    assert PAGE[start:end].strip().startswith("<Tr> <Td> I </Td>")
+    assert PAGE[end:] == " After the table."
+    # Rows without a delimiter line, a delimiter without rows, a table without a header row.
+    assert table_headers("| a | b |\n| 1 | 2 |") == []
+    assert table_headers("| a | b |\n|---|---|\nprose") == []
+    assert table_headers("<table><tr><td>1</td></tr></table>") == []
+    # A blank line ends a Markdown table; a header line must sit on top of its delimiter.
+    text = "| a | b |\n|---|---|\n| 1 | 2 |\n\n| 3 | 4 |"
+    ((start, end, header),) = table_headers(text)
+    assert (header, text[start:end].strip()) == ("a | b", "| 1 | 2 |")
+    assert table_headers("| a | b |\n\n|---|---|\n| 1 | 2 |") == []
+
+
+def test_leaves_in_a_table_body_take_its_header_row() -> None:
+    def span(needle: str) -> tuple[int, int]:
+        start = FILING.index(needle)
+        return (start, start + len(needle))
+
+    spans = [span("We compare"), span("| Item |"), span("| Net income"), span(BODY[:20])]
+    spans[-1] = (FILING.rindex(BODY), len(FILING))
+    assert leaf_table_headers(FILING, spans) == [None, None, "Item | 2023 | 2022", None]
+    leaves = [
+        Node(id=f"L{i}", text=FILING[a:b], layer=0, token_count=b - a, doc_id="f", span=(a, b))
+        for i, (a, b) in enumerate(spans)
+    ]
+    context = leaf_context([Document(text=FILING, doc_id="f")], leaves)
+    # The section heading, then the table's header row, then the leaf's own text.
+    assert context["L2"] == f"Results of operations\nItem | 2023 | 2022\n{leaves[2].text}"
+    assert context["L1"] == f"Results of operations\n{leaves[1].text}"
+    assert set(context) == {"L0", "L1", "L2", "L3"}
+
+
 def builder(**kw: object) -> TreeBuilder:
     params: dict[str, object] = {
         "tokenizer": WhitespaceTokenizer(),
@@ -93,11 +151,17 @@ def expected_leaf_vectors(tree: Tree, texts: dict[str, str]) -> np.ndarray:
     for leaf in tree.leaves:
         assert leaf.span is not None and leaf.doc_id is not None
         plain = unit(embedder.embed_documents([leaf.text])[0])
-        heading = leaf_headings(texts[leaf.doc_id], [leaf.span])[0]
-        if heading is None:
+        text = texts[leaf.doc_id]
+        parts = [
+            leaf_headings(text, [leaf.span])[0],
+            leaf_table_headers(text, [leaf.span])[0],
+        ]
+        context = [part for part in parts if part is not None]
+        if not context:
             out.append(plain)
         else:
-            in_context = unit(embedder.embed_documents([f"{heading}\n{leaf.text}"])[0])
+            in_context = "\n".join([*context, leaf.text])
+            in_context = unit(embedder.embed_documents([in_context])[0])
             out.append(unit(plain.astype(np.float64) + in_context))
     return np.array(out)
 
@@ -124,6 +188,19 @@ def test_leaves_under_a_heading_mix_their_two_vectors() -> None:
         if not np.allclose(a, b)
     }
     assert changed == {"paper"}
+
+
+def test_leaves_in_a_table_mix_in_its_header_row() -> None:
+    table = f"{BODY}\n| Item | 2023 | 2022 |\n|---|---|---|\n{ROWS}\n{ROWS}\n{ROWS}"
+    docs = [Document(text=table, doc_id="filing")]
+    tree = builder(chunk_max_tokens=16).build(docs)
+    rows = tree.layer_rows(0)
+    assert any(leaf_table_headers(table, [leaf.span])[0] for leaf in tree.leaves if leaf.span)
+    np.testing.assert_allclose(
+        tree.embeddings[rows], expected_leaf_vectors(tree, {"filing": table}), atol=1e-6
+    )
+    plain = builder(chunk_max_tokens=16, section_context=False).build(docs)
+    assert not np.allclose(tree.embeddings[rows], plain.embeddings[rows])
 
 
 def test_async_build_gives_the_same_tree() -> None:
