@@ -45,9 +45,13 @@ __all__ = [
     "table_headers",
 ]
 
-_MARKDOWN = re.compile(r"^[ \t]{0,3}#{1,6}[ \t]+(\S.*?)(?:[ \t]+#+)?[ \t]*$", re.MULTILINE)
-_HTML = re.compile(r"<h([1-6])(?:\s[^>]*)?>(.*?)</h\1\s*>", re.IGNORECASE | re.DOTALL)
-_TAG = re.compile(r"<[^>]*>")
+# Tag patterns never match across a "<" and an element's closing tag is found by a search
+# of its own (see _elements): a pattern like "<h2>(.*?)</h2>" rescans the rest of the text
+# from every unclosed tag, and text like "<h2> " repeated takes minutes.
+_MARKDOWN = re.compile(r"^[ \t]{0,3}#{1,6}[ \t]+(\S.*)$", re.MULTILINE)
+_HTML_HEADING = re.compile(r"<h([1-6])(?:\s[^<>]*)?>", re.IGNORECASE)
+_HTML_HEADING_END = re.compile(r"</h([1-6])\s*>", re.IGNORECASE)
+_TAG = re.compile(r"<[^<>]*>")
 _LINE = re.compile(r"[^\n\r]+")
 _NOT_A_HEADING_END = frozenset(".!?:;,\"'”’)]»")
 # Tables: a Markdown header line and its delimiter line; the rows that follow; HTML rows.
@@ -55,8 +59,10 @@ _PIPE_ROW = re.compile(r"^[ \t]*\|.*\|[ \t]*$")
 _PIPE_DELIMITER = re.compile(
     r"^[ \t]*\|?[ \t]*:?-{3,}:?[ \t]*(?:\|[ \t]*:?-{3,}:?[ \t]*)+\|?[ \t]*$"
 )
-_HTML_TABLE = re.compile(r"<table\b[^>]*>(.*?)</table\s*>", re.IGNORECASE | re.DOTALL)
-_HTML_ROW = re.compile(r"<tr\b[^>]*>(.*?)</tr\s*>", re.IGNORECASE | re.DOTALL)
+_HTML_TABLE = re.compile(r"<table\b[^<>]*>", re.IGNORECASE)
+_HTML_TABLE_END = re.compile(r"</table\s*>", re.IGNORECASE)
+_HTML_ROW = re.compile(r"<tr\b[^<>]*>", re.IGNORECASE)
+_HTML_ROW_END = re.compile(r"</tr\s*>", re.IGNORECASE)
 # Cell tags; "_" after the name: some extracted pages write attributes as <Th_colspan="2">.
 _HTML_HEADER_CELL = re.compile(r"<th(?=[\s>_])", re.IGNORECASE)
 _HTML_DATA_CELL = re.compile(r"<td(?=[\s>_])", re.IGNORECASE)
@@ -79,6 +85,49 @@ def _is_heading_line(line: str, following: str) -> bool:
     return len(following.split()) >= max(_MIN_BODY_WORDS, 2 * len(words))
 
 
+def _elements(
+    text: str,
+    opening: re.Pattern[str],
+    closing: re.Pattern[str],
+    start: int = 0,
+    end: int | None = None,
+) -> list[tuple[re.Match[str], int, int]]:
+    """Each opening tag of ``text[start:end]`` with the first closing tag after it.
+
+    ``(opening match, closing start, closing end)``, paired as a lazy ``open(.*?)close``
+    pattern pairs them (an element's content is never searched for another element; an
+    opening tag never closed is skipped), in linear time.  When both patterns have a group
+    (a heading's level), a closing tag only closes an opening tag with the same group.
+    """
+    end = len(text) if end is None else end
+    closings: dict[str | None, tuple[list[int], list[int]]] = {}
+    for close in closing.finditer(text, start, end):
+        key = close.group(1) if closing.groups else None
+        starts, ends = closings.setdefault(key, ([], []))
+        starts.append(close.start())
+        ends.append(close.end())
+    found = []
+    resume = start
+    for match in opening.finditer(text, start, end):
+        if match.start() < resume:
+            continue  # inside the element found last
+        starts, ends = closings.get(match.group(1) if closing.groups else None, ([], []))
+        i = bisect.bisect_left(starts, match.end())
+        if i < len(starts):
+            found.append((match, starts[i], ends[i]))
+            resume = ends[i]
+    return found
+
+
+def _markdown_heading(line: str) -> str:
+    """An ATX heading's text without its optional closing sequence of ``#``."""
+    heading = line.strip()
+    bare = heading.rstrip("#")
+    if bare != heading and (not bare or bare[-1] in " \t"):
+        heading = bare.rstrip()
+    return heading or line.strip()
+
+
 def section_headings(text: str) -> list[tuple[int, str]]:
     """The headings of ``text``: ``(offset where the heading starts, heading text)``, in order.
 
@@ -90,9 +139,9 @@ def section_headings(text: str) -> list[tuple[int, str]]:
     found: list[tuple[int, str]] = []
     for match in _MARKDOWN.finditer(text):
         indent = len(match.group()) - len(match.group().lstrip())
-        found.append((match.start() + indent, match.group(1).strip()))
-    for match in _HTML.finditer(text):
-        heading = " ".join(_TAG.sub(" ", match.group(2)).split())
+        found.append((match.start() + indent, _markdown_heading(match.group(1))))
+    for match, content_end, _ in _elements(text, _HTML_HEADING, _HTML_HEADING_END):
+        heading = " ".join(_TAG.sub(" ", text[match.end() : content_end]).split())
         if heading:
             found.append((match.start(), heading))
     lines = [(m.start(), m.group()) for m in _LINE.finditer(text)]
@@ -133,14 +182,14 @@ def _pipe_tables(text: str) -> list[tuple[int, int, str]]:
 
 def _html_tables(text: str) -> list[tuple[int, int, str]]:
     found = []
-    for table in _HTML_TABLE.finditer(text):
-        for row in _HTML_ROW.finditer(table.group(1)):
-            cells = row.group(1)
+    for table, content_end, table_end in _elements(text, _HTML_TABLE, _HTML_TABLE_END):
+        rows = _elements(text, _HTML_ROW, _HTML_ROW_END, table.end(), content_end)
+        for row, cells_end, row_end in rows:
+            cells = text[row.end() : cells_end]
             if _HTML_HEADER_CELL.search(cells) and not _HTML_DATA_CELL.search(cells):
                 header = " ".join(_TAG.sub(" ", cells).split())
                 if header:
-                    body_start = table.start(1) + row.end()
-                    found.append((body_start, table.end(), header))
+                    found.append((row_end, table_end, header))
                 break
     return found
 

@@ -110,6 +110,30 @@ def test_table_headers_of_markdown_and_html_tables() -> None:
     assert table_headers("| a | b |\n\n|---|---|\n| 1 | 2 |") == []
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<h2> word " * 20_000,  # headings never closed
+        "<h2 " * 50_000,  # a tag never ended
+        "<table> cell " * 20_000,  # tables never closed
+        "<table><tr>" + "<tr> cell " * 20_000 + "</table>",  # rows never closed
+        "<h2>" + "< x " * 50_000 + "</h2>",  # a heading full of "<"
+        "# a" + " " * 50_000 + "b #",  # a long Markdown heading line
+    ],
+)
+def test_hostile_markup_is_read_in_one_pass(text: str) -> None:
+    # Lazy "<h2>(.*?)</h2>" patterns rescanned the rest of the text from every unclosed
+    # tag: the first of these took a minute.  A document is data; it must not hang a build.
+    section_headings(text)
+    table_headers(text)
+
+
+def test_closing_hashes_are_not_part_of_a_markdown_heading() -> None:
+    text = f"## Results ##\r\n{BODY}\n# C#\n{BODY}\n### ###\n{BODY}"
+    assert headings(text) == ["Results", "C#", "###"]
+
+
 def test_leaves_in_a_table_body_take_its_header_row() -> None:
     def span(needle: str) -> tuple[int, int]:
         start = FILING.index(needle)
