@@ -32,14 +32,12 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality import SETS  # the sibling script, importable as a module
+
 #: Primary metric of the sets quality.py knows, for BASE runs made before quality.json
 #: recorded it (``"primary"``).
-KNOWN_PRIMARY = {
-    "qasper": "evidence_recall",
-    "fairytaleqa": "span_recall",
-    "qmsum": "span_recall",
-    "nq_leval": "answer_recall",
-}
+KNOWN_PRIMARY = {name: spec[1] for name, spec in SETS.items()}
 HALVES = ("dev", "held-out", "all")
 
 
@@ -47,13 +45,22 @@ class CompareError(Exception):
     """The two runs cannot be compared (what is missing is in the message)."""
 
 
+def _read(path: Path, hint: str) -> dict[str, Any]:
+    """The JSON object in ``path``; else CompareError with ``hint`` (what to check)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        msg = f"{path} cannot be read ({exc}): {hint}"
+        raise CompareError(msg) from exc
+    if not isinstance(value, dict):
+        msg = f"{path} is not what quality.py writes: {hint}"
+        raise CompareError(msg)
+    return value
+
+
 def _rows(run: Path, name: str) -> list[dict[str, Any]]:
     path = run / "quality" / name / "results.json"
-    try:
-        rows = json.loads(path.read_text(encoding="utf-8"))["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        msg = f"cannot read the rows of {name!r} from {path}: {exc}"
-        raise CompareError(msg) from exc
+    rows = _read(path, f"did quality.py --out {run} score {name!r}?").get("rows")
     if not isinstance(rows, list):
         msg = f"{path}: 'rows' is not a list"
         raise CompareError(msg)
@@ -71,19 +78,6 @@ def _scores(
         and int(r.get("budget", -1)) == budget
         and r.get(metric) is not None
     }
-
-
-def _summary(base: Path) -> dict[str, Any]:
-    path = base / "quality.json"
-    try:
-        summary = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        msg = f"{path} cannot be read ({exc}): is BASE a quality.py --out folder?"
-        raise CompareError(msg) from exc
-    if not isinstance(summary, dict):
-        msg = f"{path} is not a quality.py summary"
-        raise CompareError(msg)
-    return summary
 
 
 def _primary(summary: dict[str, Any]) -> dict[str, str]:
@@ -115,7 +109,7 @@ def compare(
     from raptor_core.evaluation.data import holdout_split
     from raptor_core.evaluation.runner import FLAT_BASELINES
 
-    summary = _summary(base)
+    summary = _read(base / "quality.json", "is BASE a quality.py --out folder?")
     retriever = retriever or str(summary.get("default") or "passage")
     new_name = new_name or retriever
     budgets = [int(b) for b in summary.get("budgets") or ()]
@@ -126,28 +120,34 @@ def compare(
         raise CompareError(msg)
     rng = np.random.default_rng(seed)
     out: dict[str, Any] = {"retriever": retriever, "budgets": budgets, "halves": {}}
-    rows = {s: (_rows(base, s), _rows(new, s)) for s in sets}
+    # (set, budget) -> scores before, after, and of each flat baseline BASE ran.
+    scores = {}
+    for name in sets:
+        metric = primary[name]
+        base_rows, new_rows = _rows(base, name), _rows(new, name)
+        for budget in budgets:
+            before = _scores(base_rows, retriever, budget, metric)
+            after = _scores(new_rows, new_name, budget, metric)
+            if not before or not after:
+                run, named = ("BASE", retriever) if not before else ("NEW", new_name)
+                msg = f"{run} has no {metric} of {named!r} on {name} @{budget}"
+                raise CompareError(msg)
+            if before.keys() != after.keys():
+                msg = (
+                    f"{name} @{budget}: BASE and NEW scored different questions "
+                    f"({len(before)} and {len(after)}); run both over the same data "
+                    "and limits"
+                )
+                raise CompareError(msg)
+            flats = [_scores(base_rows, b, budget, metric) for b in FLAT_BASELINES]
+            scores[name, budget] = (before, after, flats)
     for half in HALVES:
         out["halves"][half] = {}
         for budget in budgets:
             cells: dict[str, Any] = {}
             differences = []
             for name in sets:
-                metric = primary[name]
-                base_rows, new_rows = rows[name]
-                before = _scores(base_rows, retriever, budget, metric)
-                after = _scores(new_rows, new_name, budget, metric)
-                if not before or not after:
-                    run, named = ("BASE", retriever) if not before else ("NEW", new_name)
-                    msg = f"{run} has no {metric} of {named!r} on {name} @{budget}"
-                    raise CompareError(msg)
-                if before.keys() != after.keys():
-                    msg = (
-                        f"{name} @{budget}: BASE and NEW scored different questions "
-                        f"({len(before)} and {len(after)}); run both over the same data "
-                        "and limits"
-                    )
-                    raise CompareError(msg)
+                before, after, flats = scores[name, budget]
                 chosen = sorted(
                     q
                     for q, (doc, _) in before.items()
@@ -156,8 +156,7 @@ def compare(
                 if not chosen:
                     continue
                 flat = []
-                for baseline in FLAT_BASELINES:
-                    scored = _scores(base_rows, baseline, budget, metric)
+                for scored in flats:
                     values = [scored[q][1] for q in chosen if q in scored]
                     if values:
                         flat.append(float(np.mean(values)))

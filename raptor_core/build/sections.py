@@ -123,9 +123,8 @@ def _markdown_heading(line: str) -> str:
     """An ATX heading's text without its optional closing sequence of ``#``."""
     heading = line.strip()
     bare = heading.rstrip("#")
-    if bare != heading and (not bare or bare[-1] in " \t"):
-        heading = bare.rstrip()
-    return heading or line.strip()
+    # "C#" keeps its "#"; so does a heading of only "#"s.
+    return bare.rstrip() if bare and bare[-1] in " \t" else heading
 
 
 def section_headings(text: str) -> list[tuple[int, str]]:
