@@ -17,7 +17,11 @@ What a node keeps, in the tree and in every ``NodeWithScore`` retrieved from it:
   ``start_char_idx`` / ``end_char_idx``;
 * its source document: the leaf's ``doc_id`` is the node's ``ref_doc_id`` (the node's own id
   when it has no ``SOURCE``), so summaries list source documents in ``raptor_doc_ids`` and
-  ``delete_ref_doc(document_id)`` removes all of a document's nodes.
+  ``delete_ref_doc(document_id)`` removes all of a document's nodes;
+* its place among its source's nodes, in the order they were given (node parsers return
+  them in document order): vector stores such as Qdrant list points in the order of their
+  ids, and the default ``passage`` strategy must know which nodes are neighbours
+  (:func:`chunk_position`).
 
 The fields that raptor_core has no place for travel in one metadata entry,
 :data:`LLAMAINDEX_NODE_KEY`, a JSON string (vector stores such as Chroma take strings, not
@@ -70,6 +74,7 @@ __all__ = [
     "arun_ingestion",
     "aupdate_tree",
     "build_tree",
+    "chunk_position",
     "node_to_document",
     "pop_node_fields",
     "run_ingestion",
@@ -165,8 +170,11 @@ def _relationships_json(node: BaseNode) -> dict[str, Any]:
     return out
 
 
-def node_to_document(node: BaseNode) -> Document:
+def node_to_document(node: BaseNode, *, position: int | None = None) -> Document:
     """A pre-split core document for one LlamaIndex node (one leaf; see the module docs).
+
+    ``position`` is the node's place among its source document's nodes (from 0), recorded
+    so that a store listing nodes in another order can give them back in document order.
 
     Raises:
         InvalidInputError: from the core's checks later (empty text, non-JSON metadata).
@@ -188,6 +196,8 @@ def node_to_document(node: BaseNode) -> Document:
         for name in _TEMPLATE_FIELDS:
             if getattr(node, name) != _TEXT_NODE_DEFAULTS[name]:
                 record[name] = getattr(node, name)
+    if position is not None:
+        record["position"] = position
     metadata = dict(node.metadata)
     metadata[LLAMAINDEX_NODE_KEY] = json.dumps(record, ensure_ascii=False, default=str)
     return Document(
@@ -211,16 +221,31 @@ def _whole_document(document: LlamaIndexDocument) -> Document:
     )
 
 
-def _source_of(metadata: Mapping[str, Any]) -> str | None:
+def _record(metadata: Mapping[str, Any]) -> dict[str, Any]:
     raw = metadata.get(LLAMAINDEX_NODE_KEY)
     if not isinstance(raw, str):
-        return None
+        return {}
     try:
         record = json.loads(raw)
     except json.JSONDecodeError:
-        return None
-    source = record.get("source") if isinstance(record, dict) else None
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _source_of(metadata: Mapping[str, Any]) -> str | None:
+    source = _record(metadata).get("source")
     return source if isinstance(source, str) and source else None
+
+
+def chunk_position(metadata: Mapping[str, Any]) -> int | None:
+    """A pre-split leaf's place among its source's nodes, from its metadata (None: unknown).
+
+    Leaves written before positions were recorded have none; they keep the store's order.
+    """
+    position = _record(metadata).get("position")
+    if isinstance(position, int) and not isinstance(position, bool) and position >= 0:
+        return position
+    return None
 
 
 def to_core_documents(items: Iterable[Any]) -> list[Document]:
@@ -236,17 +261,27 @@ def to_core_documents(items: Iterable[Any]) -> list[Document]:
         InvalidInputError: a document is empty, binary, has non-JSON metadata or a duplicate id.
     """
     converted: list[Any] = []
+    # Nodes are numbered per source in the order given, after those of the source already
+    # indexed (documents read back come first: see RaptorIndex's updates).
+    following: dict[str, int] = {}
     for item in items:
         if isinstance(item, LlamaIndexDocument):
             converted.append(_whole_document(item))
         elif isinstance(item, BaseNode):
-            converted.append(node_to_document(item))
+            source = item.ref_doc_id or item.node_id
+            position = following.get(source, 0)
+            following[source] = position + 1
+            converted.append(node_to_document(item, position=position))
         else:
             converted.append(item)
+            known = chunk_position(item.metadata) if isinstance(item, Document) else None
+            if known is not None and isinstance(item, Document):
+                origin = _source_of(item.metadata) or item.chunk_of or item.doc_id
+                following[origin] = max(following.get(origin, 0), known + 1)
     out = []
     for doc in to_documents(converted):
-        source = None if doc.chunk_of is not None else _source_of(doc.metadata)
-        out.append(doc if source is None else dataclasses.replace(doc, chunk_of=source))
+        of = None if doc.chunk_of is not None else _source_of(doc.metadata)
+        out.append(doc if of is None else dataclasses.replace(doc, chunk_of=of))
     return out
 
 

@@ -85,6 +85,7 @@ from raptor_core.store.vectors import StoreShape, unit_rows
 from raptor_core.tree import Node, Tree, is_carried
 from raptor_core.types import Match, NodeFilter
 from raptor_llamaindex._backends import BATCH, backend_for, filters_pass
+from raptor_llamaindex.ingestion import chunk_position
 
 __all__ = [
     "STORE_METADATA_KEYS",
@@ -458,9 +459,27 @@ class LlamaIndexNodeStore:
         return bool(self.backend.listable)
 
     def __iter__(self) -> Iterator[Node]:
+        """Every node; the nodes a node parser cut from one document, in document order.
+
+        Stores list their points in their own order (Qdrant by point id, that is at
+        random), and the ``passage`` strategy takes a pre-split leaf's neighbours from this
+        order: such leaves are given after the others, in the order recorded when they
+        were indexed (:func:`~raptor_llamaindex.ingestion.chunk_position`).
+        """
+        chunks: dict[str | None, list[tuple[int, int, Node]]] = {}
         for node in self.backend.scan():
-            if is_raptor_node(node):
-                yield text_node_to_node(node)
+            if not is_raptor_node(node):
+                continue
+            leaf = text_node_to_node(node)
+            position = chunk_position(leaf.metadata) if leaf.span is None else None
+            if leaf.layer != 0 or position is None:
+                yield leaf
+            else:
+                members = chunks.setdefault(leaf.doc_id, [])
+                members.append((position, len(members), leaf))
+        for members in chunks.values():
+            for _, _, leaf in sorted(members, key=lambda m: (m[0], m[1])):
+                yield leaf
 
     @property
     def dim(self) -> int | None:

@@ -308,6 +308,42 @@ def _best(scores: NDArray[np.float32], m: int, *, positive_only: bool = False) -
 #: Passages are joined leaf texts; leaves end at sentence boundaries, so a line break
 #: between them reads naturally for paragraphs, transcript turns and table rows alike.
 SEPARATOR = "\n"
+#: The shortest repeat of one pre-split leaf's end at the next one's start that counts as a
+#: splitter's overlap (``chunk_overlap``) rather than text that happens to repeat.
+_MIN_OVERLAP_CHARS = 16
+
+
+def _overlap(first: Node, second: Node) -> int:
+    """Characters at the start of ``second``'s text that repeat the end of ``first``'s.
+
+    Only pre-split leaves (no ``span``) can overlap: a splitter with ``chunk_overlap``
+    starts each chunk with the end of the one before.  The builder's own chunks never
+    overlap, so leaves with spans give 0.  Repeats shorter than :data:`_MIN_OVERLAP_CHARS`
+    count as text, not overlap.
+    """
+    if first.span is not None or second.span is not None:
+        return 0
+    a, b = first.text, second.text
+    head = b[:_MIN_OVERLAP_CHARS]
+    if len(head) < _MIN_OVERLAP_CHARS:
+        return 0
+    # The longest overlap starts earliest in ``a``: try each place its first characters occur.
+    at = a.find(head, max(0, len(a) - len(b)))
+    while at >= 0:
+        if b.startswith(a[at:]):
+            return len(a) - at
+        at = a.find(head, at + 1)
+    return 0
+
+
+def _join_leaves(leaves: list[Node]) -> str:
+    """Consecutive leaves' texts as one passage, each overlap (:func:`_overlap`) once."""
+    parts = [leaves[0].text]
+    for before, leaf in itertools.pairwise(leaves):
+        text = leaf.text[_overlap(before, leaf) :].lstrip()
+        if text:
+            parts.append(text)
+    return SEPARATOR.join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -787,7 +823,7 @@ class PassageRetriever(TreeRetriever):
         """The selected runs as passages, best first, plus the cut leaf when it helps."""
         passages = []
         for run in selection.runs():
-            text = SEPARATOR.join(nodes[leaf].text for leaf in run)
+            text = _join_leaves([nodes[leaf] for leaf in run])
             if len(run) == 1:
                 cost = nodes[run[0]].token_count
             elif tokenizer is not None:
@@ -806,27 +842,37 @@ class PassageRetriever(TreeRetriever):
         if leaf is None or tokenizer is None or max_tokens is None:
             return passages
         room = max_tokens - sum(p.cost for p in passages)
-        text = nodes[leaf].text
         order = selection.order
         for p in passages:
             at_end = bool(order.next[p.leaves[-1]] == leaf)
             if not at_end and order.prev[p.leaves[0]] != leaf:
                 continue
             # Next to a passage the cut leaf extends it (its start when it precedes it):
-            # the passage is re-counted whole, separator included.
+            # the passage is re-counted whole, separator included.  What it repeats of the
+            # passage (a splitter's overlap) is in the passage already.
+            text = nodes[leaf].text
+            if at_end:
+                repeated = _overlap(nodes[p.leaves[-1]], nodes[leaf])
+                text = text[repeated:].lstrip()
+            else:
+                repeated = _overlap(nodes[leaf], nodes[p.leaves[0]])
+                text = text[: len(text) - repeated].rstrip()
+            repeated = len(nodes[leaf].text) - len(text)  # with the whitespace stripped
             piece = _cut(tokenizer, text, room - 1, keep_end=not at_end)
             while piece:
                 joined = SEPARATOR.join([p.text, piece] if at_end else [piece, p.text])
                 cost = _count(tokenizer, joined)
                 if cost <= p.cost + room:
                     p.leaves = [*p.leaves, leaf] if at_end else [leaf, *p.leaves]
-                    p.text, p.cost, p.kept = joined, cost, len(piece)
+                    # The passage holds the repeated characters too (kept: see _hit).
+                    p.text, p.cost, p.kept = joined, cost, len(piece) + repeated
                     # The selection's join costs are upper bounds: the leaf may fit whole.
                     if piece != text.strip():
                         p.cut = "end" if at_end else "start"
                     break
                 piece = _cut(tokenizer, piece, _count(tokenizer, piece) - 1, keep_end=not at_end)
             return passages
+        text = nodes[leaf].text
         piece = _cut(tokenizer, text, room, keep_end=False)
         if piece == text.strip():  # it fits whole after all (join costs are upper bounds)
             passages.append(_Passage([leaf], text, _count(tokenizer, text)))

@@ -4,6 +4,7 @@ UMAP/GMM clustering, extractive summaries, and real llama-index-core engines and
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 from pathlib import Path
 from typing import Any
@@ -298,3 +299,32 @@ def test_mmr_query_mode_with_the_real_model(index: RaptorIndex) -> None:
     ).retrieve(query)
     assert [h.node.node_id for h in hits] == [h.id for h in core]
     assert {h.node.metadata["raptor_source"] for h in hits} == {"mmr"}
+
+
+def test_passages_of_overlapping_nodes_hold_each_overlap_once(
+    embed_model: MiniLMEmbedding,
+) -> None:
+    """SentenceSplitter's chunk_overlap repeats the end of each node at the next one's start;
+    a passage of neighbouring nodes holds that text once."""
+    index = RaptorIndex.from_documents(
+        essays(),
+        embed_model=embed_model,
+        transformations=[SentenceSplitter(chunk_size=64, chunk_overlap=24)],
+        random_state=0,
+    )
+    hits = index.as_retriever(max_tokens=1000).retrieve("How do honeybees communicate?")
+    joined = [hit for hit in hits if len(hit.node.metadata.get("raptor_leaves", [])) > 1]
+    assert joined, "neighbouring nodes should form a passage"
+    essay_text = "\n".join(doc.text for doc in essays())
+    overlaps = 0
+    for hit in joined:
+        leaf_ids = [leaf_id.split("[")[0] for leaf_id in hit.node.metadata["raptor_leaves"]]
+        texts = [index.tree.node(leaf_id).text for leaf_id in leaf_ids]
+        for a, b in itertools.pairwise(texts):
+            repeated = max(k for k in range(len(b) + 1) if a.endswith(b[:k]))
+            if repeated >= 16:
+                overlaps += 1
+                # As often in the passage as in the essays (once, unless the essays repeat it).
+                assert hit.node.text.count(b[:repeated]) <= essay_text.count(b[:repeated])
+        assert len(hit.node.text) < sum(len(text) + 1 for text in texts)
+    assert overlaps, "the splitter's overlap should be seen between neighbours"

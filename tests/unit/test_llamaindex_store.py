@@ -25,7 +25,7 @@ from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.bridge.pydantic import PrivateAttr
 from llama_index.core.indices.base import BaseIndex
 from llama_index.core.llms import MockLLM
-from llama_index.core.schema import BaseNode, NodeRelationship, TextNode
+from llama_index.core.schema import BaseNode, NodeRelationship, RelatedNodeInfo, TextNode
 from llama_index.core.vector_stores import (
     FilterCondition,
     FilterOperator,
@@ -911,3 +911,63 @@ def test_an_index_over_a_store_that_can_only_be_searched(tmp_path: Path) -> None
     assert [n.node.node_id for n in again.retrieve("rockets and orbit")] == [
         h.id for h in on_tree.retrieve("rockets and orbit")
     ]
+
+
+# -- pre-split nodes in stores that list in their own order -------------------------------------
+def _numbered_nodes(first: int, last: int) -> list[TextNode]:
+    """Nodes a splitter cut from one document "long", in document order."""
+    source = RelatedNodeInfo(node_id="long")
+    return [
+        TextNode(
+            text=f"Sentence {i} says thing{i} and thing{i + 1}.",
+            # Ids that do not sort in document order (Milvus lists by primary key).
+            id_=f"{37 * i % 101:03d}-n{i:02d}",
+            relationships={NodeRelationship.SOURCE: source},
+        )
+        for i in range(first, last)
+    ]
+
+
+def _number(node_id: str) -> int:
+    return int(node_id.split("[")[0].rsplit("-n", 1)[1])
+
+
+def _passage_runs(index: RaptorIndex, query: str) -> list[list[int]]:
+    retriever = index.as_retriever(strategy="passage", max_tokens=60, similarity_top_k=4)
+    runs = []
+    for hit in retriever.retrieve(query):
+        leaves = hit.node.metadata.get("raptor_leaves") or [hit.node.node_id]
+        runs.append([_number(leaf) for leaf in leaves])
+    return runs
+
+
+@pytest.mark.filterwarnings("ignore:Payload indexes have no effect:UserWarning")
+@pytest.mark.parametrize("kind", ["qdrant", "milvus"])
+def test_pre_split_nodes_are_neighbours_in_document_order_whatever_the_store(
+    kind: str, tmp_path: Path
+) -> None:
+    # Qdrant lists points by their (UUID) id, Milvus by its primary key: not in the order the
+    # nodes were cut.  Passages must still join only consecutive nodes.
+    if kind == "qdrant":
+        store: Any = QdrantVectorStore(client=QdrantClient(":memory:"), collection_name="t")
+    else:
+        store = MilvusVectorStore(
+            uri=str(tmp_path / "m.db"), dim=32, overwrite=True, similarity_metric="IP"
+        )
+    index = RaptorIndex(
+        nodes=_numbered_nodes(0, 30),
+        storage_context=StorageContext.from_defaults(vector_store=store),
+        **options(max_layers=0),
+    )
+    listed = [_number(leaf.id) for leaf in index.store if leaf.layer == 0]
+    assert listed == list(range(30))
+    query = "thing12 thing13 thing14"
+    runs = _passage_runs(index, query)
+    assert any(len(run) > 1 for run in runs)
+    for run in runs:
+        assert run == list(range(run[0], run[0] + len(run)))
+    # Nodes added to the same document later follow the ones it holds.
+    index.insert_nodes(_numbered_nodes(30, 36))
+    assert [_number(leaf.id) for leaf in index.store if leaf.layer == 0] == list(range(36))
+    for run in _passage_runs(index, "thing31 thing32"):
+        assert run == list(range(run[0], run[0] + len(run)))

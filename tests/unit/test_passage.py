@@ -494,3 +494,87 @@ def test_a_store_updated_to_the_same_size_is_read_again(tree: Tree) -> None:
     hits = PassageRetriever(store, embedder, k=5, max_tokens=60).retrieve(query)
     assert "glaciers" in hits[0].node.text.lower()
     assert all(old.id not in (h.node.id, *h.leaves) for h in hits)
+
+
+def _overlapping_chunks(
+    texts: list[str], *, spans: bool = False, cosines: list[float] | None = None
+) -> Tree:
+    """One document of chunks with the given texts and cosines to the query (default: 1).
+
+    Without ``spans`` they are pre-split chunks (as a splitter with ``chunk_overlap``
+    makes them); with spans they are the builder's own chunks.
+    """
+    nodes = [
+        Node(
+            id=f"c{i}",
+            text=text,
+            layer=0,
+            token_count=len(text.split()),
+            doc_id="doc",
+            span=(i * 1000, i * 1000 + len(text)) if spans else None,
+        )
+        for i, text in enumerate(texts)
+    ]
+    rows = [[c, math.sqrt(1 - c * c), 0.0, 0.0] for c in cosines or [1.0] * len(texts)]
+    return Tree(nodes=tuple(nodes), embeddings=np.asarray(rows, dtype=np.float32))
+
+
+def _words(first: int, last: int) -> str:
+    return " ".join(f"word{j:02d}" for j in range(first, last))
+
+
+def _one_passage(tree: Tree, max_tokens: int) -> list:
+    return PassageRetriever(
+        tree,
+        _QueryVector([1.0, 0.0, 0.0, 0.0]),  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        window=2,
+        max_share=1.0,
+        lexical=False,
+        budget_tokenizer=WhitespaceTokenizer(),
+    ).retrieve("q")
+
+
+def test_overlapping_pre_split_chunks_are_joined_without_repeating_the_overlap() -> None:
+    # A splitter's chunk_overlap: each chunk starts with the last three words of the one before.
+    tree = _overlapping_chunks([_words(0, 10), _words(7, 17), _words(14, 24)])
+    [hit] = _one_passage(tree, max_tokens=100)
+    assert hit.leaves == ("c0", "c1", "c2")
+    assert hit.node.text.split() == _words(0, 24).split()  # every word once, in order
+    assert hit.node.text == SEPARATOR.join([_words(0, 10), _words(10, 17), _words(17, 24)])
+
+
+def test_text_that_repeats_is_kept_unless_it_is_a_splitters_overlap() -> None:
+    texts = [_words(0, 10), _words(7, 17)]
+    # The builder's own chunks never overlap: a repeat in them is the document's text.
+    [hit] = _one_passage(_overlapping_chunks(texts, spans=True), max_tokens=100)
+    assert hit.node.text == SEPARATOR.join(texts)
+    # Repeats shorter than a few words are text too ("Yes. Yes." in a transcript).
+    short = ["We agreed. Yes.", "Yes. Then we left the room."]
+    [hit] = _one_passage(_overlapping_chunks(short), max_tokens=100)
+    assert hit.node.text == SEPARATOR.join(short)
+
+
+def test_a_cut_chunk_after_an_overlap_keeps_what_is_new() -> None:
+    tree = _overlapping_chunks([_words(0, 10), _words(7, 17), _words(14, 24)])
+    # c0 takes 10 of the 15 tokens; c1 does not fit whole and is cut to what is left, and
+    # its first three words, the overlap, are in the passage already.
+    [hit] = _one_passage(tree, max_tokens=15)
+    assert hit.leaves == ("c0", "c1")
+    assert hit.node.text.split() == _words(0, 14).split()
+    # The id counts the characters of the cut chunk the passage holds, overlap included.
+    assert hit.id.startswith("c0..c1[:")
+    kept = int(hit.id.rsplit("[:", 1)[1].rstrip("]"))
+    assert tree.node("c1").text[:kept].split() == _words(7, 14).split()
+
+
+def test_a_cut_chunk_before_an_overlap_keeps_what_is_new() -> None:
+    # c1 seeds; c0 precedes it and is cut to its end, without the words c1 repeats.
+    tree = _overlapping_chunks([_words(0, 10), _words(7, 17)], cosines=[0.8, 1.0])
+    [hit] = _one_passage(tree, max_tokens=14)
+    assert hit.leaves == ("c0", "c1")
+    # One token of the room is kept for the separator: three new words of c0 fit.
+    assert hit.node.text.split() == _words(4, 17).split()
+    assert hit.id.startswith("c0[-")
+    kept = int(hit.id.split("[-", 1)[1].split(":", 1)[0])
+    assert tree.node("c0").text[-kept:].split() == _words(4, 10).split()
