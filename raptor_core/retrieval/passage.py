@@ -311,6 +311,10 @@ SEPARATOR = "\n"
 #: The shortest repeat of one pre-split leaf's end at the next one's start that counts as a
 #: splitter's overlap (``chunk_overlap``) rather than text that happens to repeat.
 _MIN_OVERLAP_CHARS = 16
+#: Places where the next leaf's start recurs in the previous leaf that are tried before
+#: giving up: text made of one repeated phrase would otherwise cost time quadratic in its
+#: length (such a repeat is then kept twice, as before overlaps were detected).
+_MAX_OVERLAP_TRIES = 64
 
 
 def _overlap(first: Node, second: Node) -> int:
@@ -329,7 +333,9 @@ def _overlap(first: Node, second: Node) -> int:
         return 0
     # The longest overlap starts earliest in ``a``: try each place its first characters occur.
     at = a.find(head, max(0, len(a) - len(b)))
-    while at >= 0:
+    for _ in range(_MAX_OVERLAP_TRIES):
+        if at < 0:
+            break
         if b.startswith(a[at:]):
             return len(a) - at
         at = a.find(head, at + 1)

@@ -578,3 +578,15 @@ def test_a_cut_chunk_before_an_overlap_keeps_what_is_new() -> None:
     assert hit.id.startswith("c0[-")
     kept = int(hit.id.split("[-", 1)[1].split(":", 1)[0])
     assert tree.node("c0").text[-kept:].split() == _words(4, 10).split()
+
+
+@pytest.mark.timeout(60)
+def test_overlap_detection_stays_linear_on_repetitive_text() -> None:
+    # One phrase repeated: its start recurs everywhere in the chunk before.
+    phrase = "la la la la la la "
+    long = phrase * 20_000
+    tree = _overlapping_chunks([long + "end.", long], cosines=[1.0, 0.99])
+    [hit] = _one_passage(tree, max_tokens=10**6)
+    assert hit.leaves == ("c0", "c1")
+    # No overlap found (the first leaf ends otherwise): both texts whole, joined.
+    assert hit.node.text == long + "end." + SEPARATOR + long
