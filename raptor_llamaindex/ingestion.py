@@ -232,9 +232,13 @@ def _record(metadata: Mapping[str, Any]) -> dict[str, Any]:
     return record if isinstance(record, dict) else {}
 
 
-def _source_of(metadata: Mapping[str, Any]) -> str | None:
-    source = _record(metadata).get("source")
+def _source(record: Mapping[str, Any]) -> str | None:
+    source = record.get("source")
     return source if isinstance(source, str) and source else None
+
+
+def _source_of(metadata: Mapping[str, Any]) -> str | None:
+    return _source(_record(metadata))
 
 
 def chunk_position(metadata: Mapping[str, Any]) -> int | None:
@@ -242,7 +246,11 @@ def chunk_position(metadata: Mapping[str, Any]) -> int | None:
 
     Leaves written before positions were recorded have none; they keep the store's order.
     """
-    position = _record(metadata).get("position")
+    return _position(_record(metadata))
+
+
+def _position(record: Mapping[str, Any]) -> int | None:
+    position = record.get("position")
     if isinstance(position, int) and not isinstance(position, bool) and position >= 0:
         return position
     return None
@@ -274,10 +282,12 @@ def to_core_documents(items: Iterable[Any]) -> list[Document]:
             converted.append(node_to_document(item, position=position))
         else:
             converted.append(item)
-            known = chunk_position(item.metadata) if isinstance(item, Document) else None
-            if known is not None and isinstance(item, Document):
-                origin = _source_of(item.metadata) or item.chunk_of or item.doc_id
-                following[origin] = max(following.get(origin, 0), known + 1)
+            if isinstance(item, Document):
+                record = _record(item.metadata)
+                known = _position(record)
+                if known is not None:
+                    origin = _source(record) or item.chunk_of or item.doc_id
+                    following[origin] = max(following.get(origin, 0), known + 1)
     out = []
     for doc in to_documents(converted):
         of = None if doc.chunk_of is not None else _source_of(doc.metadata)

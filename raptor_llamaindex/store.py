@@ -466,19 +466,20 @@ class LlamaIndexNodeStore:
         order: such leaves are given after the others, in the order recorded when they
         were indexed (:func:`~raptor_llamaindex.ingestion.chunk_position`).
         """
-        chunks: dict[str | None, list[tuple[int, int, Node]]] = {}
+        chunks: dict[str | None, list[tuple[int, Node]]] = {}
         for node in self.backend.scan():
             if not is_raptor_node(node):
                 continue
             leaf = text_node_to_node(node)
-            position = chunk_position(leaf.metadata) if leaf.span is None else None
-            if leaf.layer != 0 or position is None:
+            pre_split = leaf.layer == 0 and leaf.span is None
+            position = chunk_position(leaf.metadata) if pre_split else None
+            if position is None:
                 yield leaf
             else:
-                members = chunks.setdefault(leaf.doc_id, [])
-                members.append((position, len(members), leaf))
+                chunks.setdefault(leaf.doc_id, []).append((position, leaf))
         for members in chunks.values():
-            for _, _, leaf in sorted(members, key=lambda m: (m[0], m[1])):
+            # A stable sort: equal positions keep the store's order.
+            for _, leaf in sorted(members, key=lambda member: member[0]):
                 yield leaf
 
     @property

@@ -858,12 +858,10 @@ class PassageRetriever(TreeRetriever):
             # passage (a splitter's overlap) is in the passage already.
             text = nodes[leaf].text
             if at_end:
-                repeated = _overlap(nodes[p.leaves[-1]], nodes[leaf])
-                text = text[repeated:].lstrip()
+                text = text[_overlap(nodes[p.leaves[-1]], nodes[leaf]) :].lstrip()
             else:
-                repeated = _overlap(nodes[leaf], nodes[p.leaves[0]])
-                text = text[: len(text) - repeated].rstrip()
-            repeated = len(nodes[leaf].text) - len(text)  # with the whitespace stripped
+                text = text[: len(text) - _overlap(nodes[leaf], nodes[p.leaves[0]])].rstrip()
+            repeated = len(nodes[leaf].text) - len(text)  # the overlap and its whitespace
             piece = _cut(tokenizer, text, room - 1, keep_end=not at_end)
             while piece:
                 joined = SEPARATOR.join([p.text, piece] if at_end else [piece, p.text])
