@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -19,6 +20,7 @@ from langchain_core.vectorstores import VectorStore
 from pydantic import Field, InstanceOf, PrivateAttr, field_validator, model_validator
 
 from raptor_core.build.builder import TreeBuilder
+from raptor_core.build.rejoin import rejoin_splits, split_start
 from raptor_core.components import check_embedder, embedder_for_tree
 from raptor_core.exceptions import InvalidParameterError
 from raptor_core.retrieval import Hit, TreeRetriever
@@ -46,7 +48,13 @@ if TYPE_CHECKING:
         CallbackManagerForRetrieverRun,
     )
 
-__all__ = ["SEARCH_TYPES", "RaptorRetriever", "hit_to_document"]
+__all__ = [
+    "SEARCH_TYPES",
+    "START_INDEX_KEY",
+    "RaptorRetriever",
+    "hit_to_document",
+    "rejoin_documents",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +67,9 @@ SEARCH_TYPES = ("similarity", "mmr", "similarity_score_threshold")
 #: ``search_kwargs`` keys of ``VectorStore.as_retriever`` that are not strategy parameters.
 _LANGCHAIN_KEYS = frozenset({"filter", "score_threshold"})
 _NEEDS_LLM = frozenset({"llm", "hybrid"})
+#: The metadata key LangChain's text splitters write with ``add_start_index=True``: where
+#: the split starts in the document it was cut from.
+START_INDEX_KEY = "start_index"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +136,31 @@ def hit_to_document(hit: Hit) -> Document:
     if hit.leaves:
         metadata["raptor_leaves"] = list(hit.leaves)
     return Document(page_content=node.text, metadata=metadata, id=node.id)
+
+
+def rejoin_documents(documents: Sequence[CoreDocument]) -> list[tuple[CoreDocument, list[int]]]:
+    """Put a text splitter's splits back into the documents they were cut from.
+
+    Splits made with ``add_start_index=True`` carry ``metadata["start_index"]``; consecutive
+    splits of one source (same other metadata, advancing offsets, agreeing overlaps) become
+    that source again, with the id and metadata of its first split and without the offset
+    key (see :func:`raptor_core.build.rejoin.rejoin_splits`).  Anything else, a split joined
+    with nothing included, is returned as it was given.  Returns each resulting document with
+    the indices of the given ones it holds.
+    """
+    plain: list[CoreDocument] = []
+    starts: list[int | None] = []
+    for doc in documents:
+        start = split_start(doc.metadata.get(START_INDEX_KEY))
+        if start is not None:
+            metadata = {k: v for k, v in doc.metadata.items() if k != START_INDEX_KEY}
+            doc = dataclasses.replace(doc, metadata=metadata)
+        plain.append(doc)
+        starts.append(start)
+    return [
+        (r.document if len(r.parts) > 1 else documents[r.parts[0]], list(r.parts))
+        for r in rejoin_splits(plain, starts)
+    ]
 
 
 def _core_embedder(embeddings: Embeddings | Embedder) -> Embedder:
@@ -469,8 +505,12 @@ class RaptorRetriever(BaseRetriever):
 
         Args:
             documents: LangChain documents; ``Document.id`` (or ``ids=[...]``) becomes the
-                document id, else a free ``doc-<n>`` is chosen.
-            **kwargs: ``ids``: the document ids, one per document.
+                document id, else a free ``doc-<n>`` is chosen.  Splits made with
+                ``add_start_index=True`` are joined back into their sources first, as in
+                :meth:`from_documents`: a joined source takes its first split's id, and
+                the returned list has one id per source.
+            **kwargs: ``ids``: the document ids, one per document; ``rejoin_splits``:
+                False to index every document as it is given.
 
         Raises:
             InvalidParameterError: an id is already in the tree (delete it first), or an
@@ -521,33 +561,46 @@ class RaptorRetriever(BaseRetriever):
     def _prepare_add(
         self, documents: Sequence[Document], kwargs: Mapping[str, Any]
     ) -> tuple[Tree, list[CoreDocument]]:
-        unknown = set(kwargs) - {"ids"}
+        unknown = set(kwargs) - {"ids", "rejoin_splits"}
         if unknown:
-            msg = f"add_documents() got unknown keyword(s) {sorted(unknown)}; it accepts ids="
+            msg = (
+                f"add_documents() got unknown keyword(s) {sorted(unknown)}; it accepts ids= "
+                "and rejoin_splits="
+            )
             raise InvalidParameterError(msg)
         documents = list(documents)
         ids = kwargs.get("ids")
         if ids is not None and len(ids) != len(documents):
             msg = f"ids has {len(ids)} entries for {len(documents)} documents"
             raise InvalidParameterError(msg)
-        tree = self._current_tree()
-        used = set(tree.doc_ids) | {d.id for d in documents if getattr(d, "id", None)}
-        used |= set(ids or ())
-        out: list[CoreDocument] = []
-        counter = 0
+        given: list[str | None] = []
         for i, doc in enumerate(documents):
             if not isinstance(doc, Document):
                 msg = f"document #{i} must be a langchain_core Document, got {type(doc).__name__}"
                 raise InvalidParameterError(msg)
             doc_id = ids[i] if ids is not None else doc.id
-            if not doc_id:
+            given.append(str(doc_id) if doc_id else None)
+        # Splits are joined first and named after (ids are per resulting document); until
+        # then a document is known by its position.
+        joined = self._core_documents(
+            [
+                Document(page_content=doc.page_content, metadata=doc.metadata, id=str(i))
+                for i, doc in enumerate(documents)
+            ],
+            rejoin=kwargs.get("rejoin_splits", True),
+        )
+        tree = self._current_tree()
+        used = set(tree.doc_ids) | {doc_id for doc_id in given if doc_id}
+        out: list[CoreDocument] = []
+        counter = 0
+        for source in joined:
+            doc_id = given[int(source.doc_id)]
+            if doc_id is None:
                 while f"doc-{counter}" in used:
                     counter += 1
                 doc_id = f"doc-{counter}"
                 used.add(doc_id)
-            out.append(
-                CoreDocument(text=doc.page_content, doc_id=str(doc_id), metadata=dict(doc.metadata))
-            )
+            out.append(dataclasses.replace(source, doc_id=doc_id))
         return tree, out
 
     def _prepare_delete(
@@ -622,7 +675,7 @@ class RaptorRetriever(BaseRetriever):
         return TreeBuilder(embedder, summarizer, **build_options)
 
     @staticmethod
-    def _core_documents(documents: Iterable[Document]) -> list[CoreDocument]:
+    def _core_documents(documents: Iterable[Document], *, rejoin: bool) -> list[CoreDocument]:
         out = []
         for i, doc in enumerate(documents):
             if not isinstance(doc, Document):
@@ -632,7 +685,12 @@ class RaptorRetriever(BaseRetriever):
             out.append(
                 CoreDocument(text=doc.page_content, doc_id=doc_id, metadata=dict(doc.metadata))
             )
-        return out
+        if not isinstance(rejoin, bool):
+            msg = f"rejoin_splits must be True or False, got {rejoin!r}"
+            raise InvalidParameterError(msg)
+        if not rejoin:
+            return out
+        return [doc for doc, _ in rejoin_documents(out)]
 
     @staticmethod
     def _model(
@@ -672,13 +730,15 @@ class RaptorRetriever(BaseRetriever):
         max_tokens: int | None = None,
         search_kwargs: dict[str, Any] | None = None,
         dialect: StoreDialect | None = None,
+        rejoin_splits: bool = True,
         **build_options: Any,
     ) -> RaptorRetriever:
         """Build a tree over LangChain documents and return a retriever over it.
 
         Args:
             documents: the documents; ``Document.id`` (or ``doc-<i>``) becomes the document
-                id, and their metadata is copied onto every chunk.
+                id, and their metadata is copied onto every chunk.  Pass whole documents
+                (what a loader returns), or splits made with ``add_start_index=True``.
             embeddings: a LangChain ``Embeddings`` or a raptor_core ``Embedder``; None: the
                 vector store's own model, else the packaged offline all-MiniLM-L6-v2.
             llm: a LangChain chat model or LLM (or a core ``LLM``) that writes the summaries
@@ -694,6 +754,12 @@ class RaptorRetriever(BaseRetriever):
             search_kwargs: ``k``, ``filter``, ``fetch_k``, ``lambda_mult``,
                 ``score_threshold`` and strategy parameters.
             dialect: how to talk to ``vectorstore`` (default: chosen by its class).
+            rejoin_splits: put a text splitter's splits back together first (see
+                :func:`rejoin_documents`): consecutive documents with
+                ``metadata["start_index"]`` (``add_start_index=True``) cut from one source
+                become that source, which RAPTOR chunks itself; each overlap is then
+                stored once, and passages may cross the splits' boundaries.  False: every
+                document is indexed as it is given.
             **build_options: passed to :class:`raptor_core.TreeBuilder` (``chunk_max_tokens``,
                 ``max_layers``, ``random_state``, ``summarizer``, ...).
 
@@ -705,7 +771,7 @@ class RaptorRetriever(BaseRetriever):
         embeddings = cls._model(embeddings, vectorstore)
         store = cls._empty_store(vectorstore, embeddings, dialect) if vectorstore else None
         builder = cls._builder(embeddings, llm, build_options)
-        tree = builder.build(cls._core_documents(documents))
+        tree = builder.build(cls._core_documents(documents, rejoin=rejoin_splits))
         return cls._over(
             tree,
             store,
@@ -733,13 +799,14 @@ class RaptorRetriever(BaseRetriever):
         max_tokens: int | None = None,
         search_kwargs: dict[str, Any] | None = None,
         dialect: StoreDialect | None = None,
+        rejoin_splits: bool = True,
         **build_options: Any,
     ) -> RaptorRetriever:
         """Async :meth:`from_documents`: summaries and embeddings use the models' async APIs."""
         embeddings = cls._model(embeddings, vectorstore)
         store = cls._empty_store(vectorstore, embeddings, dialect) if vectorstore else None
         builder = cls._builder(embeddings, llm, build_options)
-        tree = await builder.abuild(cls._core_documents(documents))
+        tree = await builder.abuild(cls._core_documents(documents, rejoin=rejoin_splits))
         if store is not None:
             await run_in_executor(None, store.add_tree, tree)
         return cls._over(

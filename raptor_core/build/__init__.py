@@ -8,6 +8,7 @@
 ``incremental``  insert, update and delete documents without rebuilding
 ``budget``       a hard cap on the cost or tokens of the summary calls (``LLMBudget``)
 ``progress``     progress events with ETA and spend (``BuildProgress``)
+``rejoin``       a text splitter's splits joined back into the documents they were cut from
 """
 
 from __future__ import annotations

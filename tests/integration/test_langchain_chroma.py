@@ -291,6 +291,53 @@ def test_deep_searches_are_answered_by_an_exact_scan(
 
 
 # -- RaptorRetriever over Chroma -----------------------------------------------------------------
+def test_the_rag_tutorial_s_splits_build_the_tree_their_essays_build(
+    chroma_server: Any, essay_docs: list[Document], essay_tree: Tree, st_embedder: Any
+) -> None:
+    """LangChain's RAG pipeline, RAPTOR swapped in for the vector store's retriever.
+
+    The tutorial splits with ``RecursiveCharacterTextSplitter(chunk_size=1000,
+    chunk_overlap=200, add_start_index=True)``; those splits, built into a Chroma
+    collection, give the tree the whole essays give (same texts, spans and metadata at
+    every layer), and the default strategy's passages run across the splits' boundaries.
+    """
+    splitter = pytest.importorskip("langchain_text_splitters").RecursiveCharacterTextSplitter(
+        chunk_size=1000, chunk_overlap=200, add_start_index=True
+    )
+    splits = splitter.split_documents(essay_docs)
+    assert len(splits) > len(essay_docs)
+    vectorstore = Chroma(
+        client=chroma_server.client(),
+        collection_name=collection_name("splits"),
+        embedding_function=RaptorEmbeddings(st_embedder),
+    )
+    retriever = RaptorRetriever.from_documents(
+        splits, vectorstore=vectorstore, k=10, max_tokens=1000, random_state=0
+    )
+    assert isinstance(retriever.store, LangChainNodeStore)
+    built = retriever.store.to_tree()
+
+    def shape(tree: Tree) -> list[tuple[int, str, Any, str]]:
+        return sorted(
+            (n.layer, n.text, n.span, repr(sorted(n.metadata.items()))) for n in tree.nodes
+        )
+
+    assert shape(built) == shape(essay_tree)
+    # Where each split of an essay starts: a passage over more than one split crosses one.
+    boundaries = {
+        (d.metadata["title"], d.metadata["start_index"])
+        for d in splits
+        if d.metadata["start_index"] > 0
+    }
+    crossing = 0
+    for question in QUESTIONS:
+        for hit in retriever.invoke(question):
+            start, end = hit.metadata["raptor_span"] or (0, 0)
+            title = hit.metadata["title"]
+            crossing += any(t == title and start < b < end for t, b in boundaries)
+    assert crossing > 0
+
+
 def test_build_into_chroma_and_reopen_from_another_client(
     chroma_server: Any, essay_docs: list[Document], st_embedder: Any
 ) -> None:

@@ -1,0 +1,154 @@
+"""Splits of one source document put back together before the builder chunks them.
+
+Pipelines often split their documents before they reach us: LangChain's RAG tutorial
+passes ``RecursiveCharacterTextSplitter(chunk_size=1000, chunk_overlap=200,
+add_start_index=True).split_documents(docs)`` to its vector store.  Indexed as documents,
+those splits cost RAPTOR twice: each split is chunked on its own (a 1,000-character split
+ends in a fragment of a leaf), and the 200 characters each split repeats from the one before
+are stored, embedded and returned twice.  Passages never join two splits either, because
+they are different documents.
+
+A splitter that records where each split starts in its source (``start_index``) says
+enough to undo the split: consecutive splits with the same metadata whose offsets advance
+and whose overlapping text agrees are one source, and its text is the splits laid at their
+offsets.  :func:`rejoin_splits` does that and nothing more; which documents carry an offset
+is the adapter's business (the LangChain adapter reads ``metadata["start_index"]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from raptor_core.types import Document
+
+__all__ = ["MAX_GAP", "Rejoined", "rejoin_splits", "split_start"]
+
+#: The most characters two consecutive splits may leave between them and still be joined.
+#: Splitters strip the whitespace at a split's ends (a paragraph break, an indent): that is
+#: the gap they leave.  A longer hole means text is missing (splits filtered out, or not
+#: consecutive at all), and joining across it would make a passage of text that is not
+#: contiguous in the source.
+MAX_GAP = 16
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rejoined:
+    """One document for the builder, and which of the given documents it was made of."""
+
+    document: Document
+    parts: tuple[int, ...]
+
+
+def split_start(value: object) -> int | None:
+    """``value`` as a split's start offset, or None when it cannot be one.
+
+    Only a non-negative int is an offset: a bool is not, and -1 is what ``str.find`` (and
+    so a splitter that looked for its split in the source) returns for "not found".
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+class _Source:
+    """A source document being laid back together, split by split."""
+
+    def __init__(self, index: int, doc: Document, start: int) -> None:
+        self.first = doc
+        self.parts = [index]
+        self.last_start = start
+        # Whitespace stripped from the very start of the source is filled back when it is
+        # short, so that leaf spans are offsets in the source itself.
+        self.base = 0 if start <= MAX_GAP else start
+        self.text = "\n" * (start - self.base) + doc.text
+
+    @property
+    def end(self) -> int:
+        """The source offset just past the text laid so far."""
+        return self.base + len(self.text)
+
+    def take(self, index: int, doc: Document, start: int) -> bool:
+        """Lay ``doc`` at ``start`` if it continues this source; False if it does not."""
+        if (
+            doc.chunk_of is not None
+            or doc.metadata != self.first.metadata
+            or start <= self.last_start
+            or start > self.end + MAX_GAP
+        ):
+            return False
+        at = start - self.base
+        repeated = self.text[at : at + len(doc.text)]
+        if not doc.text.startswith(repeated):
+            # The overlap disagrees: the offsets are not into this text.
+            return False
+        if at > len(self.text):
+            # Stripped whitespace between the two: a line break never glues two
+            # paragraphs into one sentence, a space could.
+            self.text += "\n" * (at - len(self.text))
+        self.text += doc.text[len(repeated) :]
+        self.parts.append(index)
+        self.last_start = start
+        return True
+
+    def result(self) -> Rejoined:
+        if len(self.parts) == 1:
+            # Joined with nothing: left exactly as given.
+            return Rejoined(document=self.first, parts=(self.parts[0],))
+        return Rejoined(
+            document=dataclasses.replace(self.first, text=self.text), parts=tuple(self.parts)
+        )
+
+
+def rejoin_splits(documents: Sequence[Document], starts: Sequence[int | None]) -> list[Rejoined]:
+    """Join consecutive splits of one source into that source, in the order given.
+
+    ``starts[i]`` is where ``documents[i]`` starts in the document it was split from, or
+    None when it is not a split (or the offset is unknown).  A split continues the source
+    of the split before it when both have the same metadata (compare them without the
+    offset's own key), it starts after that split, no more than :data:`MAX_GAP` characters
+    past the text laid so far, and the text it repeats from its predecessor (a splitter's
+    ``chunk_overlap``) is the same text.  The joined document keeps the id and metadata of
+    its first split; its text holds every overlap once and fills the whitespace the
+    splitter stripped between splits with line breaks (and before the first split, when it
+    starts within :data:`MAX_GAP` characters of the source's start, so that offsets in the
+    joined text are offsets in the source).  A split joined with nothing is returned as it
+    was given.  A split that fits none of that
+    (a document with no offset, a pre-split chunk with ``chunk_of``, a split whose offsets
+    restart or jump, or whose overlap disagrees) starts a new document, so nothing is ever
+    joined on a guess: at worst, splits stay separate documents as they were given.
+
+    Returns:
+        One :class:`Rejoined` per resulting document, in the order of their first splits;
+        every given index appears in exactly one ``parts``.
+
+    Raises:
+        ValueError: ``starts`` and ``documents`` differ in length.
+
+    Examples:
+        >>> from raptor_core.types import Document
+        >>> splits = [Document(text="One two three.", doc_id="a"),
+        ...           Document(text="three. Four.", doc_id="b")]
+        >>> [r.document.text for r in rejoin_splits(splits, [0, 8])]
+        ['One two three. Four.']
+    """
+    if len(starts) != len(documents):
+        msg = f"got {len(starts)} offsets for {len(documents)} documents"
+        raise ValueError(msg)
+    out: list[Rejoined] = []
+    source: _Source | None = None
+    for index, (doc, start) in enumerate(zip(documents, starts, strict=True)):
+        start = split_start(start)
+        if source is not None and start is not None and source.take(index, doc, start):
+            continue
+        if source is not None:
+            out.append(source.result())
+            source = None
+        if start is None or doc.chunk_of is not None:
+            out.append(Rejoined(document=doc, parts=(index,)))
+        else:
+            source = _Source(index, doc, start)
+    if source is not None:
+        out.append(source.result())
+    return out
