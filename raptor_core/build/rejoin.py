@@ -53,21 +53,24 @@ def split_start(value: object) -> int | None:
 
 
 class _Source:
-    """A source document being laid back together, split by split."""
+    """A source document being laid back together, split by split.
+
+    The text is kept as a list of pieces: growing one string split by split would copy the
+    whole text at every split, quadratic in the source's length.  A new split starts after
+    the last one, so its overlap lies within ``recent``, the text laid from the last split's
+    start onwards (at most as long as the longest split).
+    """
 
     def __init__(self, index: int, doc: Document, start: int) -> None:
         self.first = doc
         self.parts = [index]
-        self.last_start = start
         # Whitespace stripped from the very start of the source is filled back when it is
         # short, so that leaf spans are offsets in the source itself.
-        self.base = 0 if start <= MAX_GAP else start
-        self.text = "\n" * (start - self.base) + doc.text
-
-    @property
-    def end(self) -> int:
-        """The source offset just past the text laid so far."""
-        return self.base + len(self.text)
+        lead = "\n" * start if start <= MAX_GAP else ""
+        self.pieces = [lead + doc.text]
+        self.last_start = start
+        self.recent = doc.text
+        self.end = start + len(doc.text)  # the source offset just past the text laid so far
 
     def take(self, index: int, doc: Document, start: int) -> bool:
         """Lay ``doc`` at ``start`` if it continues this source; False if it does not."""
@@ -78,26 +81,28 @@ class _Source:
             or start > self.end + MAX_GAP
         ):
             return False
-        at = start - self.base
-        repeated = self.text[at : at + len(doc.text)]
+        at = start - self.last_start
+        repeated = self.recent[at : at + len(doc.text)]
         if not doc.text.startswith(repeated):
             # The overlap disagrees: the offsets are not into this text.
             return False
-        if at > len(self.text):
-            # Stripped whitespace between the two: a line break never glues two
-            # paragraphs into one sentence, a space could.
-            self.text += "\n" * (at - len(self.text))
-        self.text += doc.text[len(repeated) :]
+        # Stripped whitespace between the two (when they do not overlap) comes back as line
+        # breaks: a line break never glues two paragraphs into one sentence, a space could.
+        new = "\n" * max(0, start - self.end) + doc.text[len(repeated) :]
+        self.pieces.append(new)
+        self.recent = (self.recent + new)[at:]
         self.parts.append(index)
         self.last_start = start
+        self.end += len(new)
         return True
 
     def result(self) -> Rejoined:
         if len(self.parts) == 1:
             # Joined with nothing: left exactly as given.
             return Rejoined(document=self.first, parts=(self.parts[0],))
+        text = "".join(self.pieces)
         return Rejoined(
-            document=dataclasses.replace(self.first, text=self.text), parts=tuple(self.parts)
+            document=dataclasses.replace(self.first, text=text), parts=tuple(self.parts)
         )
 
 

@@ -147,3 +147,15 @@ def test_any_overlapping_or_touching_windows_give_back_the_text_they_cover(
     # Offsets in the joined text are offsets in the source (a short lead is filled).
     lead = starts[0] if starts[0] <= MAX_GAP else 0
     assert out[0].document.text == "\n" * lead + text[starts[0] : max(ends)]
+
+
+@pytest.mark.timeout(60)
+def test_a_long_source_is_joined_in_one_pass() -> None:
+    # 16 MB in 20,000 overlapping splits: growing one string split by split would copy the
+    # text at every split (hours of copying); laid as pieces it takes well under a second.
+    text = ("word " * 200 + "\n\n") * 16_000
+    starts = list(range(0, len(text), 800))
+    docs = [Document(text=text[s : s + 1000], doc_id=str(i)) for i, s in enumerate(starts)]
+    [joined] = rejoin_splits(docs, starts)
+    assert joined.document.text == text
+    assert len(joined.parts) == len(docs) > 20_000
