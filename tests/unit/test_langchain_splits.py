@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_text_splitters import RecursiveCharacterTextSplitter
 
 from raptor_core.exceptions import InvalidParameterError
-from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer
+from raptor_core.testing import EchoSummarizer, FakeEmbedder, GroupClusterer, WhitespaceTokenizer
 from raptor_core.tree import Tree
 from raptor_core.types import Document as CoreDocument
 from raptor_langchain import RaptorEmbeddings, RaptorRetriever
@@ -50,7 +51,11 @@ def splits(**kwargs: Any) -> list[Document]:
 
 
 def options() -> dict[str, Any]:
+    # GroupClusterer: UMAP's spectral initialisation varies from run to run on the hash
+    # embedder's degenerate geometry (repeated eigenvalues), so two builds of one text
+    # could get different summaries.  The real-model test is in test_langchain_chroma.py.
     return {
+        "clusterer": GroupClusterer(2),
         "summarizer": EchoSummarizer(),
         "tokenizer": WhitespaceTokenizer(),
         "chunk_max_tokens": 12,
@@ -84,6 +89,13 @@ def test_splits_build_the_tree_their_sources_build() -> None:
         assert node.span is not None
         source = STORIES[node.metadata["title"]]
         assert source[node.span[0] : node.span[1]] == node.text
+
+
+def test_the_async_build_joins_splits_too() -> None:
+    sync = RaptorRetriever.from_documents(splits(), FakeEmbedder(DIM), **options())
+    built = asyncio.run(RaptorRetriever.afrom_documents(splits(), FakeEmbedder(DIM), **options()))
+    assert leaves(built.tree) == leaves(sync.tree)
+    assert built.tree is not None and built.tree.doc_ids == ("doc-0", "doc-4")
 
 
 def test_a_passage_crosses_split_boundaries_and_holds_each_overlap_once() -> None:
