@@ -573,34 +573,26 @@ class RaptorRetriever(BaseRetriever):
         if ids is not None and len(ids) != len(documents):
             msg = f"ids has {len(ids)} entries for {len(documents)} documents"
             raise InvalidParameterError(msg)
-        given: list[str | None] = []
-        for i, doc in enumerate(documents):
-            if not isinstance(doc, Document):
-                msg = f"document #{i} must be a langchain_core Document, got {type(doc).__name__}"
-                raise InvalidParameterError(msg)
-            doc_id = ids[i] if ids is not None else doc.id
-            given.append(str(doc_id) if doc_id else None)
         # Splits are joined first and named after (ids are per resulting document); until
         # then a document is known by its position.
         joined = self._core_documents(
-            [
-                Document(page_content=doc.page_content, metadata=doc.metadata, id=str(i))
-                for i, doc in enumerate(documents)
-            ],
+            documents,
             rejoin=kwargs.get("rejoin_splits", True),
+            ids=[str(i) for i in range(len(documents))],
         )
+        given = [ids[i] if ids is not None else doc.id for i, doc in enumerate(documents)]
         tree = self._current_tree()
-        used = set(tree.doc_ids) | {doc_id for doc_id in given if doc_id}
+        used = set(tree.doc_ids) | {str(doc_id) for doc_id in given if doc_id}
         out: list[CoreDocument] = []
         counter = 0
         for source in joined:
             doc_id = given[int(source.doc_id)]
-            if doc_id is None:
+            if not doc_id:
                 while f"doc-{counter}" in used:
                     counter += 1
                 doc_id = f"doc-{counter}"
                 used.add(doc_id)
-            out.append(dataclasses.replace(source, doc_id=doc_id))
+            out.append(dataclasses.replace(source, doc_id=str(doc_id)))
         return tree, out
 
     def _prepare_delete(
@@ -675,13 +667,19 @@ class RaptorRetriever(BaseRetriever):
         return TreeBuilder(embedder, summarizer, **build_options)
 
     @staticmethod
-    def _core_documents(documents: Iterable[Document], *, rejoin: bool) -> list[CoreDocument]:
+    def _core_documents(
+        documents: Iterable[Document], *, rejoin: bool, ids: Sequence[str] | None = None
+    ) -> list[CoreDocument]:
+        """``documents`` as core documents, a text splitter's splits joined when ``rejoin``.
+
+        Each is named ``ids[i]`` when ``ids`` is given, else ``Document.id`` or ``doc-<i>``.
+        """
         out = []
         for i, doc in enumerate(documents):
             if not isinstance(doc, Document):
                 msg = f"document #{i} must be a langchain_core Document, got {type(doc).__name__}"
                 raise InvalidParameterError(msg)
-            doc_id = doc.id if doc.id else f"doc-{i}"
+            doc_id = ids[i] if ids is not None else doc.id or f"doc-{i}"
             out.append(
                 CoreDocument(text=doc.page_content, doc_id=doc_id, metadata=dict(doc.metadata))
             )

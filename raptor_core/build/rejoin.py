@@ -75,8 +75,7 @@ class _Source:
     def take(self, index: int, doc: Document, start: int) -> bool:
         """Lay ``doc`` at ``start`` if it continues this source; False if it does not."""
         if (
-            doc.chunk_of is not None
-            or doc.metadata != self.first.metadata
+            doc.metadata != self.first.metadata
             or start <= self.last_start
             or start > self.end + MAX_GAP
         ):
@@ -143,14 +142,15 @@ def rejoin_splits(documents: Sequence[Document], starts: Sequence[int | None]) -
         raise ValueError(msg)
     out: list[Rejoined] = []
     source: _Source | None = None
-    for index, (doc, start) in enumerate(zip(documents, starts, strict=True)):
-        start = split_start(start)
+    for index, (doc, given) in enumerate(zip(documents, starts, strict=True)):
+        # A pre-split chunk (chunk_of set) is a leaf as it is, never a split to join.
+        start = split_start(given) if doc.chunk_of is None else None
         if source is not None and start is not None and source.take(index, doc, start):
             continue
         if source is not None:
             out.append(source.result())
             source = None
-        if start is None or doc.chunk_of is not None:
+        if start is None:
             out.append(Rejoined(document=doc, parts=(index,)))
         else:
             source = _Source(index, doc, start)
