@@ -50,6 +50,7 @@ from raptor_llamaindex.ingestion import (
     arun_ingestion,
     aupdate_tree,
     build_tree,
+    rejoin_nodes,
     run_ingestion,
     to_core_documents,
     update_tree,
@@ -212,6 +213,9 @@ class RaptorIndexStruct(IndexStruct):
     #: the vectors' dimension, so that a caller's embed model is checked on opening even when
     #: the vector store cannot tell it (no ``get_nodes``); None: empty, or an older version
     dim: Any = None
+    #: whether a node parser's nodes are joined back into their documents on every update
+    #: (see ``RaptorIndex``); None: written by an older version, which never joined them
+    rejoin_nodes: Any = None
 
     @classmethod
     def get_type(cls) -> IndexStructType:
@@ -255,6 +259,9 @@ def _checked_struct(struct: IndexStruct) -> RaptorIndexStruct:
             "remove it to have the first query check the embed model instead"
         )
         raise TreeFormatError(msg)
+    if struct.rejoin_nodes is not None and not isinstance(struct.rejoin_nodes, bool):
+        msg = f"{where}: 'rejoin_nodes' is not true or false (edited or damaged)"
+        raise TreeFormatError(msg)
     struct.retriever = check_retriever_section(where, struct.retriever)
     struct.builder = check_builder_section(where, struct.builder)
     struct.documents = check_documents_section(where, struct.documents)
@@ -289,6 +296,13 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
     vector store (removed ones are deleted); every other stored node is left as it is.  An
     empty tree, or one of leaves only, is built whole instead.  Retrievers and engines made
     earlier from this index follow on their next query.
+
+    Nodes: nodes passed in (or made by ``transformations=``) are the tree's leaves as they
+    are.  With ``rejoin_nodes=True`` a node parser's nodes are first joined back into the
+    documents they were cut from (:func:`raptor_llamaindex.ingestion.rejoin_nodes`), which
+    RAPTOR then chunks itself: better leaves for RAPTOR than nodes sized for a flat index,
+    at the cost of the nodes' own ids.  The setting is saved with the index and every later
+    update follows it.
 
     Setup:
         ``pip install 'raptor-retriever[llamaindex]'``
@@ -355,14 +369,19 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         callback_manager: CallbackManager | None = None,
         show_progress: bool = False,
         transformations: Any = None,
+        rejoin_nodes: bool | None = None,
         **kwargs: Any,
     ) -> None:
         """Build over ``nodes`` (LlamaIndex's constructor protocol), or open ``index_struct``.
 
         ``load_index_from_storage`` calls this with the stored ``index_struct``; its keyword
         arguments (``embed_model``, ``llm``, ``TreeBuilder`` components for later updates)
-        arrive here.
+        arrive here.  ``rejoin_nodes`` None keeps what the index was built with (False for
+        a new one).
         """
+        if rejoin_nodes is not None and not isinstance(rejoin_nodes, bool):
+            msg = f"rejoin_nodes must be True or False, got {rejoin_nodes!r:.80}"
+            raise InvalidParameterError(msg)
         storage_context = storage_context or StorageContext.from_defaults()
         building = index_struct is None
         if index_struct is None:
@@ -372,6 +391,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             index_struct = RaptorIndexStruct(
                 retriever={**excluded_metadata_keys(items), **retriever_kwargs},
                 builder=_jsonable_builder_args(builder_kwargs),
+                rejoin_nodes=bool(rejoin_nodes),
             )
         else:
             index_struct = _checked_struct(index_struct)
@@ -384,6 +404,8 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
                 raise InvalidParameterError(msg)
             builder_kwargs = {**index_struct.builder, **kwargs}
             items, docs = [], []
+            if rejoin_nodes is not None:
+                index_struct.rejoin_nodes = rejoin_nodes
         self._store = LlamaIndexNodeStore(
             storage_context.vector_store,
             docstore=storage_context.docstore,
@@ -477,6 +499,8 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
                 ``transformations=`` (node parsers, extractors, or an ``IngestionPipeline``)
                 are run first and their nodes become the leaves as they are (also a node
                 parser passed as ``chunker=``); see :mod:`raptor_llamaindex.ingestion`.
+                ``rejoin_nodes=True`` joins a node parser's nodes back into their documents
+                first, for this build and every later update (see the class docs).
 
         Raises:
             InvalidInputError: an empty, binary or duplicate document.
@@ -539,11 +563,13 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         summarizer: Summarizer | None = None,
         storage_context: StorageContext | None = None,
         documents: Sequence[Document] | None = None,
+        rejoin_nodes: bool = False,
         **kwargs: Any,
     ) -> RaptorIndex:
         """Write an existing tree (built by ``TreeBuilder`` or ``raptor build``) into an index.
 
-        ``kwargs`` are retrieval defaults and ``TreeBuilder`` parameters for later updates.
+        ``kwargs`` are retrieval defaults and ``TreeBuilder`` parameters for later updates;
+        ``rejoin_nodes`` applies to later updates (see the class docs).
         Without ``documents``, ``index.documents`` are rejoined from the leaf chunks.
         """
         if not isinstance(tree, Tree):
@@ -557,6 +583,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             embed_model=embedder,
             llm=llm,
             summarizer=summarizer,
+            rejoin_nodes=rejoin_nodes,
             **{k: v for k, v in kwargs.items() if k in builder_kwargs},
             **_flat_retriever_args(retriever_kwargs),
         )
@@ -610,6 +637,8 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             msg = f"no document with id {missing[0]!r} in this index"
             raise InvalidInputError(msg)
         kept = [d for d in current if (d.chunk_of or d.doc_id) not in gone]
+        if self._index_struct.rejoin_nodes:
+            added = rejoin_nodes(added)
         docs = to_core_documents([*kept, *added])  # duplicates and bad input fail here
         new = docs[len(kept) :]
         sources = {d.chunk_of or d.doc_id for d in kept}
@@ -1114,12 +1143,16 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         instead.  Models are not saved: pass them to :meth:`load`.
         """
         documents = self._index_struct.documents
+        # Written only when set, so that an index that never joins nodes stays readable by
+        # versions before the option.
+        rejoin = {"rejoin_nodes": True} if self._index_struct.rejoin_nodes else {}
         return save_with_params(
             self.tree,
             persist_dir,
             retriever=self._index_struct.retriever,
             builder=_jsonable_builder_args(self._builder_kwargs),
             documents=documents,
+            **rejoin,
         )
 
     @classmethod
@@ -1132,6 +1165,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         summarizer: Summarizer | None = None,
         callback_manager: CallbackManager | None = None,
         storage_context: StorageContext | None = None,
+        rejoin_nodes: bool | None = None,
         **builder_kwargs: Any,
     ) -> RaptorIndex:
         """Load an index exported by :meth:`persist` (or a bare tree directory).
@@ -1147,6 +1181,8 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             callback_manager: LlamaIndex callbacks.
             storage_context: where to write the tree's nodes (default: a new
                 ``SimpleVectorStore``).
+            rejoin_nodes: join a node parser's nodes back into their documents on later
+                updates (see the class docs); None: as saved.
             **builder_kwargs: ``TreeBuilder`` components or parameters for later inserts
                 (the saved JSON-serialisable ones are restored automatically).
 
@@ -1168,6 +1204,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             llm=llm,
             summarizer=summarizer,
             callback_manager=callback_manager,
+            rejoin_nodes=saved.get("rejoin_nodes", False) if rejoin_nodes is None else rejoin_nodes,
             **{**(saved.get("builder") or {}), **builder_kwargs},
         )
         index._index_struct.retriever = dict(saved.get("retriever") or {})

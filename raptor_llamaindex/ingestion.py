@@ -6,6 +6,8 @@ an ``IngestionPipeline``'s ``run``) and the nodes that come out become the tree'
 they are: never chunked again.  Nodes passed directly (``RaptorIndex.from_documents(nodes)``,
 ``insert_nodes``) are leaves too.  A LlamaIndex ``Document`` without transformations is still
 split by RAPTOR's own chunker (the paper's 100-token chunks of whole sentences).
+``RaptorIndex(..., rejoin_nodes=True)`` first joins a node parser's nodes back into the
+documents they were cut from (:func:`rejoin_nodes`), and RAPTOR's chunker cuts those.
 
 What a node keeps, in the tree and in every ``NodeWithScore`` retrieved from it:
 
@@ -63,6 +65,7 @@ from llama_index.core.schema import Document as LlamaIndexDocument
 
 from raptor_core.build.builder import TreeBuilder, to_documents
 from raptor_core.build.incremental import TreeUpdate
+from raptor_core.build.rejoin import MAX_GAP, Rejoined, rejoin_splits, split_start
 from raptor_core.exceptions import InvalidParameterError
 from raptor_core.tree import Tree
 from raptor_core.types import Document
@@ -77,6 +80,7 @@ __all__ = [
     "chunk_position",
     "node_to_document",
     "pop_node_fields",
+    "rejoin_nodes",
     "run_ingestion",
     "to_core_documents",
     "update_tree",
@@ -157,6 +161,115 @@ async def arun_ingestion(
             list(documents), checked, in_place=False, show_progress=show_progress
         )
     )
+
+
+# -- nodes back into their documents ------------------------------------------------------------
+def _node_start(item: object) -> tuple[str, int] | None:
+    """(source id, offset in it) of a node a node parser cut from a document, else None."""
+    if not isinstance(item, TextNode) or isinstance(item, LlamaIndexDocument):
+        return None
+    source = item.ref_doc_id
+    start = split_start(item.start_char_idx)
+    if not source or start is None:
+        return None
+    return source, start
+
+
+def _unambiguous(
+    run: Rejoined, keys: Sequence[tuple[str, int] | None], texts: Sequence[str]
+) -> bool:
+    """Whether no node of ``run`` occurs again just after its place in the joined text.
+
+    LlamaIndex finds a node's offset as the first place its text occurs after the previous
+    node's *start*.  In text that repeats itself (one phrase over and over) that place is
+    too early: the offsets still advance and agree with every overlap, and joining them
+    would drop the repeats.  Such text is periodic, so a node that occurs again within its
+    own length after its place says the offsets cannot be trusted.  (A repeat far away
+    leaves a hole in the offsets instead, which :func:`rejoin_splits` does not join.)
+    """
+    if len(run.parts) < 2:
+        return True
+    joined = run.document.text
+    first = keys[run.parts[0]]
+    assert first is not None  # a run of several nodes: all have offsets
+    # Offsets in the joined text: the source's, less what is missing before the first node.
+    shift = 0 if first[1] <= MAX_GAP else first[1]
+    for part in run.parts:
+        key = keys[part]
+        assert key is not None
+        at = key[1] - shift + 1
+        if joined.find(texts[part], at, at + 2 * len(texts[part])) >= 0:
+            return False
+    return True
+
+
+def rejoin_nodes(items: Sequence[Any]) -> list[Any]:
+    """Nodes a node parser cut from one document, put back together into that document.
+
+    LlamaIndex's node parsers (``SentenceSplitter`` and the others) record each node's
+    source (``ref_doc_id``) and where it starts in the source's text (``start_char_idx``).
+    Consecutive nodes of one source with the same metadata, advancing offsets and agreeing
+    overlaps (``chunk_overlap``) are that source's text again
+    (:func:`raptor_core.build.rejoin.rejoin_splits` lays them); they are replaced, at the
+    first one's place, by a LlamaIndex ``Document`` with the source's id, that text, and
+    the nodes' metadata and excluded metadata keys, which RAPTOR's chunker then cuts into
+    its own leaves.  A source's only node becomes a ``Document`` the same way.
+
+    Everything else is returned as given, so nothing is joined on a guess: documents,
+    nodes without a source or an offset, and every node of a source whose nodes here do not
+    make exactly one run (a gap, other metadata, overlaps that disagree, nodes of another
+    source in between).
+
+    Examples:
+        >>> from llama_index.core import Document
+        >>> from llama_index.core.node_parser import SentenceSplitter
+        >>> text = " ".join(f"Bee {i} dances to show where flowers grow." for i in range(40))
+        >>> source = Document(text=text, id_="bees")
+        >>> nodes = SentenceSplitter(chunk_size=64, chunk_overlap=16).get_nodes_from_documents([source])
+        >>> len(nodes), [(d.id_, d.text == text) for d in rejoin_nodes(nodes)]
+        (10, [('bees', True)])
+    """
+    items = list(items)
+    keys = [_node_start(item) for item in items]
+    plain = []
+    for item, key in zip(items, keys, strict=True):
+        if key is None:
+            plain.append(Document(text="", doc_id=""))
+            continue
+        # Only nodes of one source, with one metadata and one set of hidden keys, may join.
+        same = {
+            "source": key[0],
+            "metadata": item.metadata,
+            "embed": item.excluded_embed_metadata_keys,
+            "llm": item.excluded_llm_metadata_keys,
+        }
+        text = item.get_content(metadata_mode=MetadataMode.NONE)
+        plain.append(Document(text=text, doc_id=item.node_id, metadata=same))
+    runs = rejoin_splits(plain, [None if key is None else key[1] for key in keys])
+    texts = [doc.text for doc in plain]
+    runs_of: dict[str, int] = {}
+    for run in runs:
+        key = keys[run.parts[0]]
+        if key is not None:
+            # A source whose offsets are ambiguous counts as broken (two runs).
+            runs_of[key[0]] = runs_of.get(key[0], 0) + (1 if _unambiguous(run, keys, texts) else 2)
+    out: list[Any] = []
+    for run in runs:
+        first = items[run.parts[0]]
+        key = keys[run.parts[0]]
+        if key is None or runs_of[key[0]] != 1:
+            out.extend(items[i] for i in run.parts)
+            continue
+        out.append(
+            LlamaIndexDocument(
+                id_=key[0],
+                text=run.document.text,
+                metadata=dict(first.metadata),
+                excluded_embed_metadata_keys=list(first.excluded_embed_metadata_keys),
+                excluded_llm_metadata_keys=list(first.excluded_llm_metadata_keys),
+            )
+        )
+    return out
 
 
 # -- nodes to leaves ------------------------------------------------------------------------------

@@ -644,7 +644,9 @@ _RETRIEVER_KEYS = frozenset(
 )
 #: Strategy parameters that are objects, so never read from a file (pass them again).
 _OBJECT_STRATEGY_PARAMS = frozenset({"index", "llm"})
-_TOP_KEYS = frozenset({"format", "format_version", "retriever", "builder", "documents"})
+_TOP_KEYS = frozenset(
+    {"format", "format_version", "retriever", "builder", "documents", "rejoin_nodes"}
+)
 _MAX_STRING = 100_000
 _MAX_LIST = 10_000
 
@@ -803,4 +805,8 @@ def read_params(directory: str | os.PathLike[str]) -> dict[str, Any]:
         out["builder"] = check_builder_section(path, document["builder"])
     if "documents" in document:
         out["documents"] = check_documents_section(path, document["documents"])
+    if "rejoin_nodes" in document:
+        if not isinstance(document["rejoin_nodes"], bool):
+            raise _bad(path, "'rejoin_nodes' is not true or false")
+        out["rejoin_nodes"] = document["rejoin_nodes"]
     return out

@@ -328,3 +328,27 @@ def test_passages_of_overlapping_nodes_hold_each_overlap_once(
                 assert hit.node.text.count(b[:repeated]) <= essay_text.count(b[:repeated])
         assert len(hit.node.text) < sum(len(text) + 1 for text in texts)
     assert overlaps, "the splitter's overlap should be seen between neighbours"
+
+
+def test_rejoined_nodes_build_the_leaves_their_essays_build(
+    embed_model: MiniLMEmbedding,
+) -> None:
+    """rejoin_nodes=True over SentenceSplitter's nodes (overlapping, cut mid-paragraph) gives
+    RAPTOR's own chunks of the essays: the leaves of a build over the essays themselves."""
+    nodes = SentenceSplitter(chunk_size=96, chunk_overlap=24).get_nodes_from_documents(essays())
+    assert len(nodes) > 2 * len(essays())
+    joined = RaptorIndex(nodes, embed_model=embed_model, random_state=0, rejoin_nodes=True)
+    whole = RaptorIndex.from_documents(essays(), embed_model=embed_model, random_state=0)
+
+    def leaves(index: RaptorIndex) -> list[tuple[str | None, Any, str]]:
+        # A space the splitter dropped between two sentences comes back as a line break.
+        return [(n.doc_id, n.span, " ".join(n.text.split())) for n in index.tree.leaves]
+
+    assert leaves(joined) == leaves(whole)
+    assert joined.tree.num_layers > 1
+    assert sorted(joined.ref_doc_ids) == sorted(doc.id_ for doc in essays())
+    hits = joined.as_retriever(max_tokens=1000).retrieve("How do honeybees communicate?")
+    # Passages run across the splitter's node boundaries; the overlaps are not repeated.
+    assert any("dance" in hit.node.text.lower() for hit in hits)
+    node_ids = {n.node_id for n in nodes}
+    assert not any(hit.node.node_id in node_ids for hit in hits)
