@@ -202,5 +202,9 @@ def test_the_migration_page_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 def test_the_node_parser_section_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    (code,) = [c for runs, c in python_blocks("llamaindex.md") if runs and "SentenceSplitter" in c]
+    (code,) = [
+        c
+        for runs, c in python_blocks("llamaindex.md")
+        if runs and "transformations=[SentenceSplitter" in c
+    ]
     exec(compile(code, "llamaindex.md", "exec"), {})
