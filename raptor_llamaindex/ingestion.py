@@ -234,6 +234,7 @@ def rejoin_nodes(items: Sequence[Any]) -> list[Any]:
     plain = []
     for item, key in zip(items, keys, strict=True):
         if key is None:
+            # Not a node with an offset: rejoin_splits leaves it alone (its offset is None).
             plain.append(Document(text="", doc_id=""))
             continue
         # Only nodes of one source, with one metadata and one set of hidden keys, may join.
@@ -248,16 +249,18 @@ def rejoin_nodes(items: Sequence[Any]) -> list[Any]:
     runs = rejoin_splits(plain, [None if key is None else key[1] for key in keys])
     texts = [doc.text for doc in plain]
     runs_of: dict[str, int] = {}
+    ambiguous: set[str] = set()
     for run in runs:
         key = keys[run.parts[0]]
         if key is not None:
-            # A source whose offsets are ambiguous counts as broken (two runs).
-            runs_of[key[0]] = runs_of.get(key[0], 0) + (1 if _unambiguous(run, keys, texts) else 2)
+            runs_of[key[0]] = runs_of.get(key[0], 0) + 1
+            if not _unambiguous(run, keys, texts):
+                ambiguous.add(key[0])
     out: list[Any] = []
     for run in runs:
         first = items[run.parts[0]]
         key = keys[run.parts[0]]
-        if key is None or runs_of[key[0]] != 1:
+        if key is None or runs_of[key[0]] != 1 or key[0] in ambiguous:
             out.extend(items[i] for i in run.parts)
             continue
         out.append(
