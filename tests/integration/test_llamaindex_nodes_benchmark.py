@@ -1,0 +1,80 @@
+"""benchmarks/llamaindex_nodes.py: RAPTOR over LlamaIndex's default nodes, in quality.py.
+
+The joined index must score exactly as the whole documents do (the figures docs/llamaindex.md
+cites rest on it); the nodes-as-leaves index must run and be scored.  The data is written
+by the test: long enough for ``SentenceSplitter()`` to cut each document into overlapping
+1,024-token nodes, and never periodic (repeated text is not joined, by design).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from benchmark_scripts import run_benchmark
+
+pytest.importorskip("llama_index.core")
+
+_FLOWERS = ["clover", "heather", "lavender", "thyme", "borage", "sage", "lime", "apple"]
+
+
+def _text(topic: str, n: int) -> str:
+    paragraphs = []
+    for p in range(n):
+        sentences = [
+            f"On day {p * 7 + s} the {topic} keeper noted that worker {p * 31 + s} visited "
+            f"{_FLOWERS[(p + s) % len(_FLOWERS)]} {s + 2} times before noon."
+            for s in range(6)
+        ]
+        paragraphs.append(" ".join(sentences))
+    return "\n\n".join(paragraphs)
+
+
+@pytest.mark.slow
+def test_joined_nodes_score_as_the_whole_documents(tmp_path: Path) -> None:
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    docs = [
+        {"doc_id": topic, "title": topic, "text": _text(topic, 40)} for topic in ("hive", "farm")
+    ]
+    questions = [
+        {
+            "doc_id": "hive",
+            "question": "Which worker visited lime on day 142?",
+            "evidence": [docs[0]["text"].split("\n\n")[20]],
+        },
+        {
+            "doc_id": "farm",
+            "question": "What did the farm keeper note on day 80?",
+            "evidence": [docs[1]["text"].split("\n\n")[11]],
+        },
+    ]
+    (data / "notes_docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (data / "notes.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    proc = run_benchmark(
+        "quality.py",
+        "--data",
+        str(data),
+        "--sets",
+        "notes",
+        "--limit-docs",
+        "0",
+        "--limit-questions",
+        "0",
+        "--retrievers",
+        "passage,nodes-as-leaves=llamaindex_nodes:NodesAsLeaves,"
+        "nodes-rejoined=llamaindex_nodes:NodesRejoined",
+        "--out",
+        str(out),
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "quality.json").read_text())["sets"]["notes"]["summary"]
+    rows = {(r["retriever"], r["budget"]): r for r in summary}
+    assert {name for name, _ in rows} == {"passage", "nodes-as-leaves", "nodes-rejoined"}
+    for budget in (400, 1000, 2000):
+        whole, joined = rows["passage", budget], rows["nodes-rejoined", budget]
+        assert joined["evidence_recall"] == whole["evidence_recall"]
+        assert joined["context_tokens"] == whole["context_tokens"]
+        assert rows["nodes-as-leaves", budget]["evidence_recall"] is not None
