@@ -401,6 +401,7 @@ def _headline(
 ) -> list[str]:
     """Markdown: the default strategy against the best flat baseline, per set, budget, half."""
     from raptor_core.evaluation import report
+    from raptor_core.evaluation.runner import FLAT_BASELINES
 
     lines = [
         f"## Headline: `{default}` (the default) against the best flat baseline",
@@ -412,6 +413,12 @@ def _headline(
         "average is over the sets.",
         "",
     ]
+    if not any(set(FLAT_BASELINES) & set(res.retrievers) for res in results.values()):
+        lines += [
+            "No flat baseline ran in this run (`--retrievers` named none of "
+            f"{', '.join(f'`{b}`' for b in FLAT_BASELINES)}): there is no margin.",
+            "",
+        ]
     for half in ("dev", "held-out", "all"):
         header = ["set (questions)"]
         for b in budgets:
@@ -431,9 +438,10 @@ def _headline(
                     margins[b].append(cell["margin"])
                 if cell["draws"] is not None:
                     draws[b].append(cell["draws"])
+                best = cell["best_flat_name"]
                 cells += [
                     _fmt(cell["default"]),
-                    f"{_fmt(cell['best_flat'])} ({cell['best_flat_name']})",
+                    "-" if best is None else f"{_fmt(cell['best_flat'])} ({best})",
                     _margin_text(cell["margin"], cell["interval"]),
                 ]
             lines.append("| " + " | ".join(cells) + " |")

@@ -78,3 +78,6 @@ def test_joined_nodes_score_as_the_whole_documents(tmp_path: Path) -> None:
         assert joined["evidence_recall"] == whole["evidence_recall"]
         assert joined["context_tokens"] == whole["context_tokens"]
         assert rows["nodes-as-leaves", budget]["evidence_recall"] is not None
+    # No flat baseline ran: the headline says so instead of naming a baseline "None".
+    markdown = (out / "quality.md").read_text()
+    assert "No flat baseline ran in this run" in markdown and "(None)" not in markdown
