@@ -392,7 +392,9 @@ class RaptorRetriever(BaseRetriever):
         """Build a tree over ``nodes`` or ``documents`` (or take ``tree``) and wrap it.
 
         Args:
-            nodes: LlamaIndex nodes; each is one leaf of the tree, kept whole with its id.
+            nodes: LlamaIndex nodes; each is one leaf of the tree, kept whole with its id
+                (``builder_kwargs={"rejoin_nodes": True}`` joins a node parser's nodes back
+                into their documents instead: see ``RaptorIndex``).
             documents: LlamaIndex ``Document`` objects.
             tree: an existing tree instead of nodes/documents.
             embed_model: embeds chunks, summaries and queries (see the class docstring).

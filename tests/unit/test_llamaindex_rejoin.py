@@ -18,7 +18,7 @@ from llama_index.core.schema import NodeRelationship, TextNode
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
 from raptor_core.testing import EchoSummarizer, FakeEmbedder, GroupClusterer, WhitespaceTokenizer
 from raptor_core.tree import Tree
-from raptor_llamaindex import RaptorIndex
+from raptor_llamaindex import RaptorIndex, RaptorRetriever
 from raptor_llamaindex.ingestion import rejoin_nodes
 from raptor_llamaindex.retriever import PARAMS_FILE
 
@@ -249,3 +249,13 @@ def test_from_tree_takes_the_setting_for_later_updates() -> None:
     index = RaptorIndex.from_tree(tree, rejoin_nodes=True, **options())
     index.insert_nodes(splitter().get_nodes_from_documents([sources()[1]]))
     assert all(leaf.span is not None for leaf in index.tree.leaves)
+
+
+def test_a_retriever_from_nodes_can_join_them() -> None:
+    given = options()
+    embed = given.pop("embed_model")
+    retriever = RaptorRetriever.from_defaults(
+        nodes=nodes(), embed_model=embed, builder_kwargs={**given, "rejoin_nodes": True}
+    )
+    assert {leaf.doc_id for leaf in retriever.tree.leaves} == {"frog", "slipper"}
+    assert all(leaf.span is not None for leaf in retriever.tree.leaves)
