@@ -1,20 +1,20 @@
-"""benchmarks/llamaindex_nodes.py: RAPTOR over LlamaIndex's default nodes, in quality.py.
+"""benchmarks/llamaindex_nodes.py and langchain_splits.py: a framework's splits, in quality.py.
 
-The joined index must score exactly as the whole documents do (the figures docs/llamaindex.md
-cites rest on it); the nodes-as-leaves index must run and be scored.  The data is written
-by the test: long enough for ``SentenceSplitter()`` to cut each document into overlapping
-1,024-token nodes, and never periodic (repeated text is not joined, by design).
+Joined back together, the splits must score exactly as the whole documents do (the figures
+docs/llamaindex.md and docs/langchain.md cite rest on it); the splits kept apart must run
+and be scored.  The data is written by the test: long enough for ``SentenceSplitter()`` to
+cut each document into overlapping 1,024-token nodes, and never periodic (repeated text is
+not joined by LlamaIndex's rule, by design).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from benchmark_scripts import run_benchmark
-
-pytest.importorskip("llama_index.core")
 
 _FLOWERS = ["clover", "heather", "lavender", "thyme", "borage", "sage", "lime", "apple"]
 
@@ -31,9 +31,7 @@ def _text(topic: str, n: int) -> str:
     return "\n\n".join(paragraphs)
 
 
-@pytest.mark.slow
-def test_joined_nodes_score_as_the_whole_documents(tmp_path: Path) -> None:
-    data, out = tmp_path / "data", tmp_path / "out"
+def _write_set(data: Path) -> None:
     data.mkdir()
     docs = [
         {"doc_id": topic, "title": topic, "text": _text(topic, 40)} for topic in ("hive", "farm")
@@ -52,6 +50,9 @@ def test_joined_nodes_score_as_the_whole_documents(tmp_path: Path) -> None:
     ]
     (data / "notes_docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     (data / "notes.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+
+
+def _summary(data: Path, out: Path, retrievers: str) -> dict[tuple[str, int], dict[str, Any]]:
     proc = run_benchmark(
         "quality.py",
         "--data",
@@ -63,15 +64,27 @@ def test_joined_nodes_score_as_the_whole_documents(tmp_path: Path) -> None:
         "--limit-questions",
         "0",
         "--retrievers",
-        "passage,nodes-as-leaves=llamaindex_nodes:NodesAsLeaves,"
-        "nodes-rejoined=llamaindex_nodes:NodesRejoined",
+        retrievers,
         "--out",
         str(out),
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "quality.json").read_text())["sets"]["notes"]["summary"]
-    rows = {(r["retriever"], r["budget"]): r for r in summary}
+    return {(r["retriever"], r["budget"]): r for r in summary}
+
+
+@pytest.mark.slow
+def test_joined_nodes_score_as_the_whole_documents(tmp_path: Path) -> None:
+    pytest.importorskip("llama_index.core")
+    _write_set(tmp_path / "data")
+    out = tmp_path / "out"
+    rows = _summary(
+        tmp_path / "data",
+        out,
+        "passage,nodes-as-leaves=llamaindex_nodes:NodesAsLeaves,"
+        "nodes-rejoined=llamaindex_nodes:NodesRejoined",
+    )
     assert {name for name, _ in rows} == {"passage", "nodes-as-leaves", "nodes-rejoined"}
     for budget in (400, 1000, 2000):
         whole, joined = rows["passage", budget], rows["nodes-rejoined", budget]
@@ -81,3 +94,21 @@ def test_joined_nodes_score_as_the_whole_documents(tmp_path: Path) -> None:
     # No flat baseline ran: the headline says so instead of naming a baseline "None".
     markdown = (out / "quality.md").read_text()
     assert "No flat baseline ran in this run" in markdown and "(None)" not in markdown
+
+
+@pytest.mark.slow
+def test_joined_splits_score_as_the_whole_documents(tmp_path: Path) -> None:
+    pytest.importorskip("langchain_text_splitters")
+    _write_set(tmp_path / "data")
+    rows = _summary(
+        tmp_path / "data",
+        tmp_path / "out",
+        "passage,splits-as-documents=langchain_splits:SplitsAsDocuments,"
+        "splits-rejoined=langchain_splits:SplitsRejoined",
+    )
+    assert {name for name, _ in rows} == {"passage", "splits-as-documents", "splits-rejoined"}
+    for budget in (400, 1000, 2000):
+        whole, joined = rows["passage", budget], rows["splits-rejoined", budget]
+        assert joined["evidence_recall"] == whole["evidence_recall"]
+        assert joined["context_tokens"] == whole["context_tokens"]
+        assert rows["splits-as-documents", budget]["evidence_recall"] is not None
