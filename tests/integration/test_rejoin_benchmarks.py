@@ -74,6 +74,18 @@ def _summary(data: Path, out: Path, retrievers: str) -> dict[tuple[str, int], di
     return {(r["retriever"], r["budget"]): r for r in summary}
 
 
+def _assert_joined_scores_as_whole(
+    rows: dict[tuple[str, int], dict[str, Any]], *, apart: str, joined: str
+) -> None:
+    """``joined`` scores exactly as ``passage`` over the whole documents; ``apart`` is scored."""
+    assert {name for name, _ in rows} == {"passage", apart, joined}
+    for budget in (400, 1000, 2000):
+        whole, rejoined = rows["passage", budget], rows[joined, budget]
+        assert rejoined["evidence_recall"] == whole["evidence_recall"]
+        assert rejoined["context_tokens"] == whole["context_tokens"]
+        assert rows[apart, budget]["evidence_recall"] is not None
+
+
 @pytest.mark.slow
 def test_joined_nodes_score_as_the_whole_documents(tmp_path: Path) -> None:
     pytest.importorskip("llama_index.core")
@@ -85,12 +97,7 @@ def test_joined_nodes_score_as_the_whole_documents(tmp_path: Path) -> None:
         "passage,nodes-as-leaves=llamaindex_nodes:NodesAsLeaves,"
         "nodes-rejoined=llamaindex_nodes:NodesRejoined",
     )
-    assert {name for name, _ in rows} == {"passage", "nodes-as-leaves", "nodes-rejoined"}
-    for budget in (400, 1000, 2000):
-        whole, joined = rows["passage", budget], rows["nodes-rejoined", budget]
-        assert joined["evidence_recall"] == whole["evidence_recall"]
-        assert joined["context_tokens"] == whole["context_tokens"]
-        assert rows["nodes-as-leaves", budget]["evidence_recall"] is not None
+    _assert_joined_scores_as_whole(rows, apart="nodes-as-leaves", joined="nodes-rejoined")
     # No flat baseline ran: the headline says so instead of naming a baseline "None".
     markdown = (out / "quality.md").read_text()
     assert "No flat baseline ran in this run" in markdown and "(None)" not in markdown
@@ -106,9 +113,4 @@ def test_joined_splits_score_as_the_whole_documents(tmp_path: Path) -> None:
         "passage,splits-as-documents=langchain_splits:SplitsAsDocuments,"
         "splits-rejoined=langchain_splits:SplitsRejoined",
     )
-    assert {name for name, _ in rows} == {"passage", "splits-as-documents", "splits-rejoined"}
-    for budget in (400, 1000, 2000):
-        whole, joined = rows["passage", budget], rows["splits-rejoined", budget]
-        assert joined["evidence_recall"] == whole["evidence_recall"]
-        assert joined["context_tokens"] == whole["context_tokens"]
-        assert rows["splits-as-documents", budget]["evidence_recall"] is not None
+    _assert_joined_scores_as_whole(rows, apart="splits-as-documents", joined="splits-rejoined")
