@@ -65,7 +65,7 @@ from llama_index.core.schema import Document as LlamaIndexDocument
 
 from raptor_core.build.builder import TreeBuilder, to_documents
 from raptor_core.build.incremental import TreeUpdate
-from raptor_core.build.rejoin import MAX_GAP, Rejoined, rejoin_splits, split_start
+from raptor_core.build.rejoin import rejoin_splits, split_start
 from raptor_core.exceptions import InvalidParameterError
 from raptor_core.tree import Tree
 from raptor_core.types import Document
@@ -175,34 +175,6 @@ def _node_start(item: object) -> tuple[str, int] | None:
     return source, start
 
 
-def _unambiguous(
-    run: Rejoined, keys: Sequence[tuple[str, int] | None], texts: Sequence[str]
-) -> bool:
-    """Whether no node of ``run`` occurs again just after its place in the joined text.
-
-    LlamaIndex finds a node's offset as the first place its text occurs after the previous
-    node's *start*.  In text that repeats itself (one phrase over and over) that place is
-    too early: the offsets still advance and agree with every overlap, and joining them
-    would drop the repeats.  Such text is periodic, so a node that occurs again within its
-    own length after its place says the offsets cannot be trusted.  (A repeat far away
-    leaves a hole in the offsets instead, which :func:`rejoin_splits` does not join.)
-    """
-    if len(run.parts) < 2:
-        return True
-    joined = run.document.text
-    first = keys[run.parts[0]]
-    assert first is not None  # a run of several nodes: all have offsets
-    # Offsets in the joined text: the source's, less what is missing before the first node.
-    shift = 0 if first[1] <= MAX_GAP else first[1]
-    for part in run.parts:
-        key = keys[part]
-        assert key is not None
-        at = key[1] - shift + 1
-        if joined.find(texts[part], at, at + 2 * len(texts[part])) >= 0:
-            return False
-    return True
-
-
 def rejoin_nodes(items: Sequence[Any]) -> list[Any]:
     """Nodes a node parser cut from one document, put back together into that document.
 
@@ -218,7 +190,8 @@ def rejoin_nodes(items: Sequence[Any]) -> list[Any]:
     Everything else is returned as given, so nothing is joined on a guess: documents,
     nodes without a source or an offset, and every node of a source whose nodes here do not
     make exactly one run (a gap, other metadata, overlaps that disagree, nodes of another
-    source in between).
+    source in between) or whose text repeats itself so closely that its offsets are
+    ambiguous (``refuse_periodic`` of :func:`~raptor_core.build.rejoin.rejoin_splits`).
 
     Examples:
         >>> from llama_index.core import Document
@@ -246,21 +219,22 @@ def rejoin_nodes(items: Sequence[Any]) -> list[Any]:
         }
         text = item.get_content(metadata_mode=MetadataMode.NONE)
         plain.append(Document(text=text, doc_id=item.node_id, metadata=same))
-    runs = rejoin_splits(plain, [None if key is None else key[1] for key in keys])
-    texts = [doc.text for doc in plain]
+    # LlamaIndex searches for a node's text from the previous node's start, so in text that
+    # repeats itself the offsets land too early; such runs come back as their nodes, and a
+    # source split into several runs is left as given below.
+    runs = rejoin_splits(
+        plain, [None if key is None else key[1] for key in keys], refuse_periodic=True
+    )
     runs_of: dict[str, int] = {}
-    ambiguous: set[str] = set()
     for run in runs:
         key = keys[run.parts[0]]
         if key is not None:
             runs_of[key[0]] = runs_of.get(key[0], 0) + 1
-            if not _unambiguous(run, keys, texts):
-                ambiguous.add(key[0])
     out: list[Any] = []
     for run in runs:
         first = items[run.parts[0]]
         key = keys[run.parts[0]]
-        if key is None or runs_of[key[0]] != 1 or key[0] in ambiguous:
+        if key is None or runs_of[key[0]] != 1:
             out.extend(items[i] for i in run.parts)
             continue
         out.append(

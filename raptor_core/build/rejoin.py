@@ -67,6 +67,10 @@ class _Source:
         # Whitespace stripped from the very start of the source is filled back when it is
         # short, so that leaf spans are offsets in the source itself.
         lead = "\n" * start if start <= MAX_GAP else ""
+        # Every offset in the joined text is a source offset less this: gaps are filled with
+        # as many characters as they held, and only a long lead is left out.
+        self.shift = 0 if lead else start
+        self.places = [start - self.shift]  # each part's offset in the joined text
         self.pieces = [lead + doc.text]
         self.last_start = start
         self.recent = doc.text
@@ -91,21 +95,39 @@ class _Source:
         self.pieces.append(new)
         self.recent = (self.recent + new)[at:]
         self.parts.append(index)
+        self.places.append(start - self.shift)
         self.last_start = start
         self.end += len(new)
         return True
 
-    def result(self) -> Rejoined:
-        if len(self.parts) == 1:
-            # Joined with nothing: left exactly as given.
-            return Rejoined(document=self.first, parts=(self.parts[0],))
-        text = "".join(self.pieces)
-        return Rejoined(
-            document=dataclasses.replace(self.first, text=text), parts=tuple(self.parts)
-        )
+    def results(self, documents: Sequence[Document], *, refuse_periodic: bool) -> list[Rejoined]:
+        """The joined document; each split as given when there is nothing to join or trust."""
+        if len(self.parts) > 1:
+            text = "".join(self.pieces)
+            if not (refuse_periodic and self._periodic(text, documents)):
+                joined = dataclasses.replace(self.first, text=text)
+                return [Rejoined(document=joined, parts=tuple(self.parts))]
+        return [Rejoined(document=documents[i], parts=(i,)) for i in self.parts]
+
+    def _periodic(self, text: str, documents: Sequence[Document]) -> bool:
+        """Whether some split's text occurs again within its own length after its place.
+
+        Offsets found by searching for each split from the previous split's *start*
+        (LlamaIndex's node parsers) land too early in text that repeats itself: they still
+        advance and agree with every overlap, and the join would drop the repeats.  Text in
+        which a split recurs that close is periodic, so its offsets cannot be trusted.  (A
+        repeat far away leaves a hole in the offsets instead, which is never joined.)
+        """
+        for part, place in zip(self.parts, self.places, strict=True):
+            split = documents[part].text
+            if text.find(split, place + 1, place + 1 + 2 * len(split)) >= 0:
+                return True
+        return False
 
 
-def rejoin_splits(documents: Sequence[Document], starts: Sequence[int | None]) -> list[Rejoined]:
+def rejoin_splits(
+    documents: Sequence[Document], starts: Sequence[int | None], *, refuse_periodic: bool = False
+) -> list[Rejoined]:
     """Join consecutive splits of one source into that source, in the order given.
 
     ``starts[i]`` is where ``documents[i]`` starts in the document it was split from, or
@@ -122,6 +144,16 @@ def rejoin_splits(documents: Sequence[Document], starts: Sequence[int | None]) -
     (a document with no offset, a pre-split chunk with ``chunk_of``, a split whose offsets
     restart or jump, or whose overlap disagrees) starts a new document, so nothing is ever
     joined on a guess: at worst, splits stay separate documents as they were given.
+
+    Args:
+        documents: the splits, in the order the splitter returned them.
+        starts: each split's offset in its source, or None.
+        refuse_periodic: return a run as its splits, as given, when one of them occurs again
+            within its own length after its place in the joined text.  For offsets found
+            by searching for each split from the previous split's start (LlamaIndex's node
+            parsers), which land too early in text that repeats itself.  Offsets searched
+            from the previous split's end less the overlap (LangChain's ``start_index``)
+            are exact there and need no such check.
 
     Returns:
         One :class:`Rejoined` per resulting document, in the order of their first splits;
@@ -148,12 +180,12 @@ def rejoin_splits(documents: Sequence[Document], starts: Sequence[int | None]) -
         if source is not None and start is not None and source.take(index, doc, start):
             continue
         if source is not None:
-            out.append(source.result())
+            out.extend(source.results(documents, refuse_periodic=refuse_periodic))
             source = None
         if start is None:
             out.append(Rejoined(document=doc, parts=(index,)))
         else:
             source = _Source(index, doc, start)
     if source is not None:
-        out.append(source.result())
+        out.extend(source.results(documents, refuse_periodic=refuse_periodic))
     return out

@@ -159,3 +159,42 @@ def test_a_long_source_is_joined_in_one_pass() -> None:
     [joined] = rejoin_splits(docs, starts)
     assert joined.document.text == text
     assert len(joined.parts) == len(docs) > 20_000
+
+
+def periodic_splits() -> tuple[str, list[Document], list[int]]:
+    """Splits of a text that repeats one phrase, at offsets found from the previous start.
+
+    That is how LlamaIndex's node parsers place nodes: each split's text first occurs one
+    phrase after the previous split's start, so every offset lands too early.
+    """
+    text = "Bees dance. " * 12
+    windows = [(0, 36), (24, 60), (48, 84), (72, len(text))]
+    splits = cut(text, windows)
+    starts, previous = [], -1
+    for split in splits:
+        previous = text.find(split.text, previous + 1)
+        starts.append(previous)
+    return text, splits, starts
+
+
+def test_periodic_text_is_joined_wrongly_unless_refused() -> None:
+    text, splits, starts = periodic_splits()
+    assert starts == [0, 12, 24, 36]  # too early: the splits really start 24 apart
+    [joined] = rejoin_splits(splits, starts)
+    assert len(joined.document.text) < len(text)  # the repeats the offsets skip are lost
+    refused = rejoin_splits(splits, starts, refuse_periodic=True)
+    assert [r.parts for r in refused] == [(0,), (1,), (2,), (3,)]
+    assert [r.document for r in refused] == splits
+
+
+def test_refusing_periodic_runs_keeps_every_other_join() -> None:
+    windows = [(0, 40), (28, 70), (60, len(SOURCE))]
+    splits = cut(SOURCE, windows)
+    starts = [a for a, _ in windows]
+    assert rejoin_splits(splits, starts, refuse_periodic=True) == rejoin_splits(splits, starts)
+    # A split's place in the joined text counts the whitespace filled in before the first
+    # split: taken as a place further back, each split would be "found again" at its own.
+    padded = "\n\n" + SOURCE
+    windows = [(2, 42), (30, 72), (62, len(padded))]
+    [joined] = rejoin_splits(cut(padded, windows), [a for a, _ in windows], refuse_periodic=True)
+    assert joined.document.text == padded
