@@ -16,6 +16,8 @@ tree's structure.  A *dialect* is the small piece that does this for one store:
 * :class:`QdrantDialect` for ``langchain_qdrant.QdrantVectorStore``: reads and writes go
   through its Qdrant client; point ids must be UUIDs, so each document is stored under a
   name-based UUID of its id and reads back under its own id.
+* :class:`FAISSDialect` for ``langchain_community``'s ``FAISS``: documents written with its
+  ``add_embeddings``, vectors read back from the FAISS index, filters run in Python.
 * :class:`GenericDialect` for any other store, through the public ``VectorStore`` API
   only: ``add_texts`` (the store embeds the texts with its own model, which must be the
   tree's), ``similarity_search_by_vector`` (native filters passed as ``filter=``),
@@ -48,6 +50,7 @@ from raptor_core.store.vectors import nearest_rows
 
 __all__ = [
     "ChromaDialect",
+    "FAISSDialect",
     "GenericDialect",
     "InMemoryDialect",
     "Pushdown",
@@ -787,6 +790,187 @@ class QdrantDialect:
 _QDRANT_BATCH = 1000
 
 
+# -- FAISS (langchain_community) ----------------------------------------------------------------
+class FAISSDialect:
+    """``langchain_community.vectorstores.FAISS``: a FAISS index and a docstore, in this process.
+
+    The store keeps its documents in a docstore (``InMemoryDocstore``) and its vectors in a
+    FAISS index that knows positions, not ids (``index_to_docstore_id`` maps one to the
+    other).  Documents are written with the store's own ``add_embeddings`` (our vectors,
+    the store's layout, so ``save_local`` and its own searches keep working), after
+    ``delete`` of the ids already stored: the docstore refuses to add an id twice.  Vectors
+    are read back with ``index.reconstruct``, so scores are exact cosines; the index must be
+    one that can give its vectors back (``IndexFlatL2``, which ``FAISS.from_documents``
+    makes, ``IndexFlatIP``, ``IndexHNSWFlat``; an IVF index after ``make_direct_map()``).
+
+    Filters run in Python on the documents the index returns, as the store's own searches
+    filter (a ``filter=`` dict in the store's dialect, or a callable on the metadata); a
+    search asks the index for more until enough pass.  The store's own searches, with their
+    default ``fetch_k=20``, may return fewer than asked when a filter is narrow; these do not.
+    """
+
+    name = "FAISS"
+    native_lists = True
+    has_vectors = True
+    can_count = True
+    fetch_filters = True
+
+    def __init__(self, vectorstore: VectorStore) -> None:
+        self.vectorstore = vectorstore
+        self._positions: dict[str, int] = {}
+        self._positions_of: tuple[int, int] = (0, -1)
+
+    @property
+    def _store(self) -> Any:
+        return self.vectorstore
+
+    def _position(self) -> dict[str, int]:
+        """Document id -> index position, rebuilt when the store's mapping changed.
+
+        ``add_embeddings`` extends ``index_to_docstore_id`` in place and ``delete`` replaces
+        it (positions shift as the index compacts), so its identity and size say when
+        the reverse map is stale; every lookup is also checked against the mapping itself.
+        """
+        mapping = self._store.index_to_docstore_id
+        stamp = (id(mapping), len(mapping))
+        if stamp != self._positions_of:
+            self._positions = {str(doc_id): int(at) for at, doc_id in mapping.items()}
+            self._positions_of = stamp
+        return self._positions
+
+    def _positions_for(self, ids: Sequence[str]) -> list[tuple[str, int]]:
+        """``(id, position)`` of the stored ids among ``ids``, in the order given."""
+        mapping = self._store.index_to_docstore_id
+        positions = self._position()
+        if any(i in positions and mapping.get(positions[i]) != i for i in ids):
+            self._positions_of = (0, -1)  # changed behind our back: rebuild
+            positions = self._position()
+        return [(i, positions[i]) for i in ids if i in positions]
+
+    def _document(self, doc_id: str) -> Document | None:
+        doc = self._store.docstore.search(doc_id)
+        if not isinstance(doc, Document):
+            return None  # the docstore answers a missing id with a message string
+        return doc if doc.id == doc_id else doc.model_copy(update={"id": doc_id})
+
+    def _vectors(self, positions: Sequence[int]) -> NDArray[np.float32]:
+        index = self._store.index
+        if not positions:
+            return np.zeros((0, int(index.d)), dtype=np.float32)
+        try:
+            out = index.reconstruct_batch(np.asarray(positions, dtype=np.int64))
+        except RuntimeError as exc:
+            msg = (
+                f"this FAISS index ({type(index).__name__}) cannot give its vectors back "
+                f"({exc}); a RAPTOR tree needs them to score exactly: use IndexFlatL2 "
+                "(what FAISS.from_documents makes), IndexFlatIP or IndexHNSWFlat, or call "
+                "index.make_direct_map() on an IVF index"
+            )
+            raise InvalidParameterError(msg) from exc
+        return np.asarray(out, dtype=np.float32).reshape(len(positions), -1)
+
+    def upsert(self, documents: Sequence[Document], vectors: NDArray[np.float32]) -> None:
+        """``delete`` the stored ids, then the store's own ``add_embeddings`` with our vectors."""
+        ids = [str(doc.id) for doc in documents]
+        stored = [i for i, _ in self._positions_for(ids)]
+        if stored:
+            self._store.delete(stored)
+        self._store.add_embeddings(
+            list(zip([d.page_content for d in documents], vectors.tolist(), strict=True)),
+            metadatas=[dict(d.metadata) for d in documents],
+            ids=ids,
+        )
+
+    def fetch(self, ids: Sequence[str], *, native: Any, vectors: bool) -> list[Row]:
+        """The stored documents with these ids that pass the callable ``native``."""
+        found = self._positions_for([str(i) for i in ids])
+        rows: list[tuple[Document, int]] = []
+        for doc_id, at in found:
+            doc = self._document(doc_id)
+            if doc is not None and (native is None or native(doc)):
+                rows.append((doc, at))
+        if not vectors:
+            return [Row(doc) for doc, _ in rows]
+        matrix = self._vectors([at for _, at in rows])
+        return [Row(doc, vector) for (doc, _), vector in zip(rows, matrix, strict=True)]
+
+    def query(self, vector: NDArray[np.float32], m: int, *, native: Any) -> list[Row]:
+        """The index's nearest, filtered here; asked again for more until ``m`` pass."""
+        index = self._store.index
+        total = int(index.ntotal)
+        if total == 0:
+            return []
+        q = np.asarray(vector, dtype=np.float32).reshape(1, -1)
+        mapping = self._store.index_to_docstore_id
+        asked = min(total, m if native is None else max(2 * m, m + 16))
+        while True:
+            _, found = index.search(q, asked)
+            rows: list[tuple[Document, int]] = []
+            for at in found[0]:
+                doc_id = mapping.get(int(at)) if at >= 0 else None
+                doc = None if doc_id is None else self._document(str(doc_id))
+                if doc is not None and (native is None or native(doc)):
+                    rows.append((doc, int(at)))
+                    if len(rows) == m:
+                        break
+            if len(rows) >= m or asked >= total:
+                break
+            asked = min(total, 4 * asked)
+        matrix = self._vectors([at for _, at in rows])
+        return [Row(doc, vec) for (doc, _), vec in zip(rows, matrix, strict=True)]
+
+    def delete(self, ids: Sequence[str]) -> None:
+        """The store's ``delete`` of the ids it holds (it raises on unknown ids)."""
+        stored = [i for i, _ in self._positions_for([str(i) for i in ids])]
+        if stored:
+            self._store.delete(stored)
+
+    def count(self) -> int:
+        """Documents in the store (``index_to_docstore_id``)."""
+        return len(self._store.index_to_docstore_id)
+
+    def scan(self) -> Iterator[Document]:
+        """Every document, in index order."""
+        mapping = self._store.index_to_docstore_id
+        for at in sorted(mapping):
+            doc = self._document(str(mapping[at]))
+            if doc is not None:
+                yield doc
+
+    def max_layer(self) -> int:
+        """The highest layer among the documents (-1: none)."""
+        return _top_layer(self.scan())
+
+    def dim(self) -> int | None:
+        """The index's dimension, once it holds a vector."""
+        index = self._store.index
+        return int(index.d) if int(index.ntotal) > 0 else None
+
+    def translate(self, pushdown: Pushdown) -> tuple[Any, bool]:
+        """The exact test, as a callable on the stored document (applied here, not by FAISS)."""
+        return pushdown.accepts, True
+
+    def conjoin(self, ours: Any, theirs: Any) -> Any:
+        """Ours and the user's FAISS filter (a dict in its dialect, or a callable on metadata)."""
+        if theirs is None:
+            return ours
+        if not (callable(theirs) or isinstance(theirs, Mapping)):
+            msg = (
+                "a FAISS filter is a dict of metadata conditions or a callable taking a "
+                f"document's metadata; got {type(theirs).__name__}"
+            )
+            raise InvalidParameterError(msg)
+        try:
+            on_metadata = self._store._create_filter_func(theirs)
+        except ValueError as exc:
+            raise InvalidParameterError(f"FAISS rejected the filter {theirs!r}: {exc}") from exc
+
+        def both(doc: Document) -> bool:
+            return (ours is None or bool(ours(doc))) and bool(on_metadata(doc.metadata))
+
+        return both
+
+
 # -- any other store ---------------------------------------------------------------------------
 class GenericDialect:
     """Any LangChain ``VectorStore``, through its public API only (see the module docstring).
@@ -903,5 +1087,7 @@ def dialect_for(vectorstore: VectorStore) -> StoreDialect:
         return ChromaDialect(vectorstore)
     if is_instance_of(vectorstore, "langchain_qdrant", "QdrantVectorStore"):
         return QdrantDialect(vectorstore)
+    if is_instance_of(vectorstore, "langchain_community.vectorstores", "FAISS"):
+        return FAISSDialect(vectorstore)
     logger.info("no dialect for %s: using the generic VectorStore API", type(vectorstore))
     return GenericDialect(vectorstore)

@@ -6,7 +6,8 @@
 * "Same answers everywhere": six essays (tests/data/multi_topic.md), built once with the
   packaged all-MiniLM-L6-v2, UMAP/GMM and the extractive summariser; every strategy returns
   the same nodes with the same scores from the in-memory tree, the plain-file tree (loaded,
-  and opened lazily as a ``FileNodeStore``), an ``InMemoryVectorStore`` and the Chroma server.
+  and opened lazily as a ``FileNodeStore``), an ``InMemoryVectorStore``, the Chroma server,
+  Qdrant (local mode) and LangChain's FAISS store.
 * ``RaptorRetriever`` over Chroma: build, reopen from a new client, Chroma's own filters.
 """
 
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import itertools
 import re
+import warnings
 from dataclasses import replace
 from typing import Any
 
+import faiss
 import numpy as np
 import pytest
 
@@ -29,6 +32,11 @@ from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_qdrant import QdrantVectorStore
 from langchain_tests.integration_tests import RetrieversIntegrationTests
 from qdrant_client import QdrantClient, models
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # langchain-community's sunset notice
+    from langchain_community.docstore.in_memory import InMemoryDocstore
+    from langchain_community.vectorstores import FAISS
 
 from raptor_core import DEFAULT_STRATEGY
 from raptor_core.build.builder import TreeBuilder
@@ -194,6 +202,14 @@ def test_same_answers_everywhere(
         client=qdrant, collection_name="essays", embedding=RaptorEmbeddings(st_embedder)
     )
     LangChainNodeStore(qdrant_vs).add_tree(essay_tree)
+    # LangChain's FAISS store (langchain_community), as its docs make an empty one.
+    faiss_vs = FAISS(
+        embedding_function=RaptorEmbeddings(st_embedder),
+        index=faiss.IndexFlatL2(essay_tree.dim),
+        docstore=InMemoryDocstore(),
+        index_to_docstore_id={},
+    )
+    LangChainNodeStore(faiss_vs).add_tree(essay_tree)
     sources: dict[str, Any] = {
         "tree": essay_tree,
         "file": Tree.load(essay_tree.save(tmp_path / "essays")),
@@ -201,6 +217,7 @@ def test_same_answers_everywhere(
         "InMemoryVectorStore": LangChainNodeStore(in_memory_vs),
         "Chroma server": LangChainNodeStore(chroma_essays),
         "Qdrant": LangChainNodeStore(qdrant_vs),
+        "FAISS": LangChainNodeStore(faiss_vs),
     }
     assert sum(len(essay_tree.layer(i)) for i in range(essay_tree.num_layers)) > 30
     for question in QUESTIONS:
