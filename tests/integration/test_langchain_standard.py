@@ -1,6 +1,7 @@
 """RaptorRetriever against LangChain's standard retriever suite, with the real local model.
 
-Over an in-memory tree here; over a Chroma server in tests/integration/test_langchain_chroma.py.
+Over an in-memory tree and LangChain's FAISS store here; over a Chroma server in
+tests/integration/test_langchain_chroma.py.
 
 The tree is the session's ``real_tree`` (tests/data/multi_topic.md, built once with the
 packaged all-MiniLM-L6-v2, UMAP/GMM and the extractive summariser).  Queries go through a
@@ -9,6 +10,7 @@ plain LangChain ``Embeddings`` over the same model, as a langchain-huggingface u
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -25,7 +27,7 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_core.tools import create_retriever_tool
 from langchain_tests.integration_tests import RetrieversIntegrationTests
 
-from raptor_langchain import RaptorRetriever
+from raptor_langchain import LangChainNodeStore, RaptorRetriever
 
 pytestmark = pytest.mark.integration
 
@@ -78,6 +80,29 @@ class TestRaptorRetrieverStandardMMR(TestRaptorRetrieverStandard):
     @property
     def retriever_constructor_params(self) -> dict[str, Any]:
         return {**self._params, "search_type": "mmr"}
+
+
+class TestRaptorRetrieverStandardFAISS(TestRaptorRetrieverStandard):
+    """The tree in LangChain's FAISS store (langchain_community), read through FAISSDialect."""
+
+    @pytest.fixture(autouse=True)
+    def _real_model(self, real_tree: Any, st_embedder: Any) -> None:
+        import faiss
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # the package's sunset notice
+            from langchain_community.docstore.in_memory import InMemoryDocstore
+            from langchain_community.vectorstores import FAISS
+
+        embeddings = MiniLMEmbeddings(st_embedder)
+        vectorstore = FAISS(
+            embedding_function=embeddings,
+            index=faiss.IndexFlatL2(real_tree.dim),
+            docstore=InMemoryDocstore(),
+            index_to_docstore_id={},
+        )
+        LangChainNodeStore(vectorstore).add_tree(real_tree)
+        self._params = {"vectorstore": vectorstore, "embeddings": embeddings}
 
 
 @pytest.fixture
