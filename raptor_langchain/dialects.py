@@ -44,7 +44,7 @@ from langchain_core.vectorstores import InMemoryVectorStore, VectorStore
 from numpy.typing import NDArray
 
 from raptor_core._imports import is_instance_of
-from raptor_core.exceptions import InvalidParameterError
+from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 from raptor_core.store.codec import uuid_id
 from raptor_core.store.vectors import nearest_rows
 
@@ -871,6 +871,15 @@ class FAISSDialect:
 
     def upsert(self, documents: Sequence[Document], vectors: NDArray[np.float32]) -> None:
         """``delete`` the stored ids, then the store's own ``add_embeddings`` with our vectors."""
+        width = int(self._store.index.d)
+        if vectors.ndim != 2 or vectors.shape[1] != width:
+            # FAISS itself fails with a bare AssertionError.
+            msg = (
+                f"this FAISS store's index holds vectors of dimension {width}, the tree's "
+                f"have {vectors.shape[-1]}: give the store an index of the tree's dimension "
+                "(and the tree's embedding model)"
+            )
+            raise InvalidInputError(msg)
         ids = [str(doc.id) for doc in documents]
         stored = [i for i, _ in self._positions_for(ids)]
         if stored:

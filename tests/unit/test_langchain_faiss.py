@@ -24,7 +24,7 @@ with warnings.catch_warnings():
 
 from langchain_core.documents import Document
 
-from raptor_core.exceptions import InvalidParameterError
+from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 from raptor_core.retrieval.registry import make_retriever
 from raptor_core.testing import FakeEmbedder, NodeStoreTests, store_tree
 from raptor_core.types import NodeFilter
@@ -155,3 +155,10 @@ def test_the_retriever_builds_into_faiss_and_reopens_from_it() -> None:
     # The default strategy reads every leaf (FAISS can list), so BM25 seeds run too.
     passage = make_retriever("passage", LangChainNodeStore(vectorstore), embeddings.embedder)
     assert passage.retrieve(question)[0].node.doc_id == "tides"
+
+
+def test_an_index_of_another_dimension_is_a_clear_error_and_writes_nothing() -> None:
+    vectorstore = faiss_vectorstore(dim=16)
+    with pytest.raises(InvalidInputError, match="dimension 16"):
+        LangChainNodeStore(vectorstore).add_tree(store_tree(DIM))
+    assert vectorstore.index.ntotal == 0 and vectorstore.index_to_docstore_id == {}
