@@ -31,6 +31,7 @@ __all__ = [
     "Match",
     "NodeFilter",
     "NodeStore",
+    "Segment",
     "SpanEmbedder",
     "Summarizer",
     "Tokenizer",
@@ -53,12 +54,29 @@ class Document:
     its tool gave it); ``chunk_of`` is the id of the document it was cut from, recorded as
     the leaf's ``doc_id``.  Such a leaf may be longer than ``chunk_max_tokens``: see
     :func:`raptor_core.build.leaves.document_leaves` for what the limits then mean.
+
+    ``segments`` give parts of the text metadata of their own (the pages of a PDF put back
+    together: each page keeps its page number): a leaf's metadata is ``metadata`` updated
+    with that of the segment its text starts in.  Leaves before the first segment have
+    ``metadata`` alone.
     """
 
     text: str
     doc_id: str
     metadata: dict[str, Any] = field(default_factory=dict)
     chunk_of: str | None = None
+    segments: tuple[Segment, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Segment:
+    """Metadata for a document's text from offset ``start`` on, up to the next segment.
+
+    Leaves that start in it get ``{**document.metadata, **segment.metadata}``.
+    """
+
+    start: int
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,7 +20,7 @@ from langchain_core.vectorstores import VectorStore
 from pydantic import Field, InstanceOf, PrivateAttr, field_validator, model_validator
 
 from raptor_core.build.builder import TreeBuilder
-from raptor_core.build.rejoin import rejoin_splits, split_start
+from raptor_core.build.rejoin import MAX_GAP, join_pages, rejoin_splits, split_start
 from raptor_core.components import check_embedder, embedder_for_tree
 from raptor_core.exceptions import InvalidParameterError
 from raptor_core.retrieval import Hit, TreeRetriever
@@ -139,14 +139,18 @@ def hit_to_document(hit: Hit) -> Document:
 
 
 def rejoin_documents(documents: Sequence[CoreDocument]) -> list[tuple[CoreDocument, list[int]]]:
-    """Put a text splitter's splits back into the documents they were cut from.
+    """Put a text splitter's splits, and a loader's pages, back into their documents.
 
     Splits made with ``add_start_index=True`` carry ``metadata["start_index"]``; consecutive
     splits of one source (same other metadata, advancing offsets, agreeing overlaps) become
     that source again, with the id and metadata of its first split and without the offset
-    key (see :func:`raptor_core.build.rejoin.rejoin_splits`).  Anything else, a split joined
-    with nothing included, is returned as it was given.  Returns each resulting document with
-    the indices of the given ones it holds.
+    key (see :func:`raptor_core.build.rejoin.rejoin_splits`).  Then consecutive pages of one
+    PDF (``PyPDFLoader`` and the other loaders number them in ``metadata["page"]``; same
+    other metadata, numbers one apart), whole or joined from their splits, become one
+    document whose leaves keep the page they start on (see
+    :func:`raptor_core.build.rejoin.join_pages`).  Anything else, a split or page joined
+    with nothing included, is returned as it was given.  Returns each resulting document
+    with the indices of the given ones it holds.
     """
     plain: list[CoreDocument] = []
     starts: list[int | None] = []
@@ -157,10 +161,28 @@ def rejoin_documents(documents: Sequence[CoreDocument]) -> list[tuple[CoreDocume
             doc = dataclasses.replace(doc, metadata=metadata)
         plain.append(doc)
         starts.append(start)
-    return [
-        (r.document if len(r.parts) > 1 else documents[r.parts[0]], list(r.parts))
-        for r in rejoin_splits(plain, starts)
-    ]
+    # Each source as it comes back when no page joins it, the indices it holds, and what
+    # page joining sees of it: a source whose first split starts deep in its page (the
+    # page's start is missing) keeps its offset key there, so it joins no page before it.
+    sources: list[tuple[CoreDocument, list[int], CoreDocument]] = []
+    for r in rejoin_splits(plain, starts):
+        first, parts = r.parts[0], list(r.parts)
+        start = starts[first]
+        whole = r.document if len(parts) > 1 else documents[first]
+        if start is None:
+            sources.append((whole, parts, whole))
+        elif start <= MAX_GAP:
+            sources.append((whole, parts, r.document if len(parts) > 1 else plain[first]))
+        else:
+            sources.append((whole, parts, documents[first]))
+    out: list[tuple[CoreDocument, list[int]]] = []
+    for run in join_pages([candidate for _, _, candidate in sources]):
+        if len(run.parts) == 1:
+            whole, parts, _ = sources[run.parts[0]]
+            out.append((whole, parts))
+        else:
+            out.append((run.document, [i for at in run.parts for i in sources[at][1]]))
+    return out
 
 
 def _core_embedder(embeddings: Embeddings | Embedder) -> Embedder:

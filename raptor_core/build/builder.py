@@ -45,6 +45,7 @@ from raptor_core.types import (
     Clusterer,
     Document,
     Embedder,
+    Segment,
     Summarizer,
     Tokenizer,
 )
@@ -129,8 +130,45 @@ def to_documents(documents: Iterable[str | Document | Mapping[str, Any]]) -> lis
         except (TypeError, ValueError) as exc:
             msg = f"metadata of document {doc.doc_id!r} must be JSON-serialisable: {exc}"
             raise InvalidInputError(msg) from exc
+        _check_segments(doc)
         out.append(doc)
     return out
+
+
+def _check_segments(doc: Document) -> None:
+    """Raise InvalidInputError unless ``doc.segments`` are segments of its text, in order."""
+    segments = doc.segments
+    if not segments:
+        return
+    if not isinstance(segments, tuple | list) or not all(isinstance(s, Segment) for s in segments):
+        msg = f"segments of document {doc.doc_id!r} must be a tuple of Segment objects"
+        raise InvalidInputError(msg)
+    if doc.chunk_of is not None:
+        msg = f"document {doc.doc_id!r} is one pre-split chunk (chunk_of): it has no segments"
+        raise InvalidInputError(msg)
+    previous = -1
+    for segment in segments:
+        start = segment.start
+        if (
+            isinstance(start, bool)
+            or not isinstance(start, int)
+            or not previous < start < len(doc.text)
+        ):
+            msg = (
+                f"segments of document {doc.doc_id!r} must start at increasing offsets "
+                f"inside its text (0 to {len(doc.text) - 1}), got {start!r} after {previous}"
+            )
+            raise InvalidInputError(msg)
+        previous = start
+        meta = segment.metadata
+        if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+            msg = f"segment metadata of document {doc.doc_id!r} must be a dict with str keys"
+            raise InvalidInputError(msg)
+        try:
+            json.dumps(meta, allow_nan=False, ensure_ascii=False).encode()
+        except (TypeError, ValueError) as exc:
+            msg = f"segment metadata of document {doc.doc_id!r} must be JSON-serialisable: {exc}"
+            raise InvalidInputError(msg) from exc
 
 
 def _is_unicode(text: str) -> bool:

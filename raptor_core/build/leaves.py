@@ -25,8 +25,10 @@ What the other limits mean for a chunk longer than the builder's own:
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from raptor_core.build.ids import leaf_id
 from raptor_core.exceptions import InvalidInputError
@@ -68,6 +70,7 @@ def document_leaves(doc: Document, chunker: Chunker, tokenizer: Tokenizer) -> li
     if not chunks:
         msg = f"document {doc.doc_id!r} produced no chunks (no text left after splitting)"
         raise InvalidInputError(msg)
+    starts = [segment.start for segment in doc.segments]
     return [
         Node(
             id=leaf_id(doc.doc_id, chunk.start, chunk.end, chunk.text),
@@ -79,10 +82,18 @@ def document_leaves(doc: Document, chunker: Chunker, tokenizer: Tokenizer) -> li
             doc_id=doc.doc_id,
             span=(chunk.start, chunk.end),
             doc_ids=(doc.doc_id,),
-            metadata=dict(doc.metadata),
+            metadata=_metadata_at(doc, starts, chunk.start),
         )
         for chunk in chunks
     ]
+
+
+def _metadata_at(doc: Document, starts: list[int], offset: int) -> dict[str, Any]:
+    """The metadata of a leaf starting at ``offset``: the document's, and its segment's."""
+    at = bisect.bisect_right(starts, offset) - 1
+    if at < 0:
+        return dict(doc.metadata)
+    return {**doc.metadata, **doc.segments[at].metadata}
 
 
 def warn_long_chunks(leaves: Sequence[Node], cluster_max_tokens: int) -> None:

@@ -21,9 +21,9 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raptor_core.types import Document
+from raptor_core.types import Document, Segment
 
-__all__ = ["MAX_GAP", "Rejoined", "rejoin_splits", "split_start"]
+__all__ = ["MAX_GAP", "PAGE_KEYS", "Rejoined", "join_pages", "rejoin_splits", "split_start"]
 
 #: The most characters two consecutive splits may leave between them and still be joined.
 #: Splitters strip the whitespace at a split's ends (a paragraph break, an indent): that is
@@ -31,6 +31,12 @@ __all__ = ["MAX_GAP", "Rejoined", "rejoin_splits", "split_start"]
 #: consecutive at all), and joining across it would make a passage of text that is not
 #: contiguous in the source.
 MAX_GAP = 16
+
+
+#: Metadata keys that number a loader's pages: ``page`` and ``page_label`` (LangChain's PDF
+#: loaders: PyPDF, PyMuPDF, pdfplumber), ``page_number`` (Unstructured), ``page_label``
+#: (LlamaIndex's PDF reader).
+PAGE_KEYS = ("page", "page_label", "page_number")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,7 +169,7 @@ def rejoin_splits(
         ValueError: ``starts`` and ``documents`` differ in length.
 
     Examples:
-        >>> from raptor_core.types import Document
+        >>> from raptor_core.types import Document, Segment
         >>> splits = [Document(text="One two three.", doc_id="a"),
         ...           Document(text="three. Four.", doc_id="b")]
         >>> [r.document.text for r in rejoin_splits(splits, [0, 8])]
@@ -188,4 +194,88 @@ def rejoin_splits(
             source = _Source(index, doc, start)
     if source is not None:
         out.extend(source.results(documents, refuse_periodic=refuse_periodic))
+    return out
+
+
+def _page_number(doc: Document, keys: Sequence[str]) -> tuple[str, int] | None:
+    """``(key, number)`` of the first page key holding a page number, else None."""
+    for key in keys:
+        value = doc.metadata.get(key)
+        if isinstance(value, str) and value.isascii() and value.isdigit():
+            return key, int(value)
+        number = split_start(value)
+        if number is not None:
+            return key, number
+    return None
+
+
+def join_pages(
+    documents: Sequence[Document], *, page_keys: Sequence[str] = PAGE_KEYS, separator: str = "\n"
+) -> list[Rejoined]:
+    r"""Join consecutive pages of one source into that source, each page a segment of it.
+
+    Document loaders return a PDF one page at a time (LangChain's ``PyPDFLoader``: one
+    document per page, numbered by ``metadata["page"]``).  Indexed apart, no leaf or
+    passage crosses a page break, and each page ends in a fragment of a leaf.  A document
+    continues the run of pages before it when its metadata without ``page_keys`` is the
+    run's (and not empty: something, such as ``source``, must name the source), and it is
+    numbered one more than the previous page by the same key.  The joined document has the
+    first page's id, its metadata without the page keys, and one
+    :class:`~raptor_core.types.Segment` per page holding that page's page keys, so each
+    leaf keeps the page it starts on.  A page joined with nothing, and anything that is
+    not a page (no page number, a pre-split chunk, a document with segments already), is
+    returned as given.
+
+    Returns:
+        One :class:`Rejoined` per resulting document, in order; every given index appears
+        in exactly one ``parts``.
+
+    Examples:
+        >>> from raptor_core.types import Document
+        >>> pages = [Document(text="It rained.", doc_id="p0", metadata={"source": "a.pdf", "page": 0}),
+        ...          Document(text="Then it snowed.", doc_id="p1", metadata={"source": "a.pdf", "page": 1})]
+        >>> [joined] = join_pages(pages)
+        >>> joined.document.text, joined.document.metadata, [s.metadata for s in joined.document.segments]
+        ('It rained.\nThen it snowed.', {'source': 'a.pdf'}, [{'page': 0}, {'page': 1}])
+    """
+    keys = tuple(page_keys)
+    runs: list[list[int]] = []
+    previous: tuple[str, int] | None = None
+    for index, doc in enumerate(documents):
+        number = None if doc.chunk_of is not None or doc.segments else _page_number(doc, keys)
+        rest = {k: v for k, v in doc.metadata.items() if k not in keys}
+        if (
+            runs
+            and number is not None
+            and previous is not None
+            and number == (previous[0], previous[1] + 1)
+            and rest
+            and rest == {k: v for k, v in documents[runs[-1][0]].metadata.items() if k not in keys}
+        ):
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+        previous = number
+    out: list[Rejoined] = []
+    for run in runs:
+        first = documents[run[0]]
+        if len(run) == 1:
+            out.append(Rejoined(document=first, parts=(run[0],)))
+            continue
+        segments, offset = [], 0
+        for index in run:
+            page = documents[index]
+            segments.append(
+                Segment(
+                    start=offset, metadata={k: page.metadata[k] for k in keys if k in page.metadata}
+                )
+            )
+            offset += len(page.text) + len(separator)
+        joined = dataclasses.replace(
+            first,
+            text=separator.join(documents[i].text for i in run),
+            metadata={k: v for k, v in first.metadata.items() if k not in keys},
+            segments=tuple(segments),
+        )
+        out.append(Rejoined(document=joined, parts=tuple(run)))
     return out

@@ -64,6 +64,7 @@ EXPECTED_ALL = {
     "NumpyIndex",
     "RaptorError",
     "RegexTokenizer",
+    "Segment",
     "SentenceChunker",
     "SentenceTransformerEmbedder",
     "SpanEmbedder",
