@@ -1,4 +1,4 @@
-"""benchmarks/llamaindex_nodes.py and langchain_splits.py: a framework's splits, in quality.py.
+"""benchmarks/llamaindex_nodes.py, langchain_splits.py and langchain_pages.py, in quality.py.
 
 Joined back together, the splits must score exactly as the whole documents do (the figures
 docs/llamaindex.md and docs/langchain.md cite rest on it); the splits kept apart must run
@@ -114,3 +114,16 @@ def test_joined_splits_score_as_the_whole_documents(tmp_path: Path) -> None:
         "splits-rejoined=langchain_splits:SplitsRejoined",
     )
     _assert_joined_scores_as_whole(rows, apart="splits-as-documents", joined="splits-rejoined")
+
+
+@pytest.mark.slow
+def test_joined_pages_score_as_the_whole_documents(tmp_path: Path) -> None:
+    pytest.importorskip("langchain_core")
+    _write_set(tmp_path / "data")
+    rows = _summary(
+        tmp_path / "data",
+        tmp_path / "out",
+        "passage,pages-as-documents=langchain_pages:PagesAsDocuments,"
+        "pages-joined=langchain_pages:PagesJoined",
+    )
+    _assert_joined_scores_as_whole(rows, apart="pages-as-documents", joined="pages-joined")
