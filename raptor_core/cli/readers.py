@@ -23,14 +23,14 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
 from raptor_core.cli._common import check_unicode, path_text
 from raptor_core.exceptions import InvalidInputError, MissingDependencyError
-from raptor_core.types import Document
+from raptor_core.types import Document, Segment
 
 __all__ = [
     "READERS",
@@ -79,9 +79,15 @@ def _decode(data: bytes, path: Path) -> str:
         raise InvalidInputError(msg) from exc
 
 
-def _file_document(path: Path, text: str, **extra: Any) -> list[Document]:
+def _file_document(
+    path: Path,
+    text: str,
+    extra: Mapping[str, Any] | None = None,
+    segments: tuple[Segment, ...] = (),
+) -> list[Document]:
     source = path_text(path)
-    return [Document(text=text, doc_id=source, metadata={"source": source, **extra})]
+    metadata = {"source": source, **(extra or {})}
+    return [Document(text=text, doc_id=source, metadata=metadata, segments=segments)]
 
 
 def _read_plain(path: Path, text_field: str) -> list[Document]:
@@ -174,7 +180,7 @@ def html_to_text(html: str) -> tuple[str, str | None]:
 
 def _read_html(path: Path, text_field: str) -> list[Document]:
     text, title = html_to_text(read_text(path))
-    return _file_document(path, text, **({"title": title} if title else {}))
+    return _file_document(path, text, {"title": title} if title else None)
 
 
 # -- PDF and DOCX (optional packages) ------------------------------------------------------------
@@ -204,18 +210,37 @@ def _read_pdf(path: Path, text_field: str) -> list[Document]:
             msg = f"{path_text(path)} is an encrypted PDF: decrypt it first"
             raise InvalidInputError(msg)
         pages = [page.extract_text() or "" for page in reader.pages]
+        labels = _page_labels(reader, len(pages))
     except (PdfReadError, ValueError, KeyError, TypeError) as exc:
         # pypdf raises assorted errors on damaged files; all mean "not a readable PDF".
         msg = f"{path_text(path)} is not a readable PDF: {exc}"
         raise InvalidInputError(msg) from exc
     # A blank line between pages keeps a paragraph from running across a page break.  Fonts
     # without a Unicode map extract as control characters: blanks, not text.
-    text = _EXTRACTED_CONTROL.sub(" ", "\n\n".join(p.strip() for p in pages if p.strip()))
+    kept = [(i, page.strip()) for i, page in enumerate(pages) if page.strip()]
+    text = _EXTRACTED_CONTROL.sub(" ", "\n\n".join(page for _, page in kept))
     if not text.strip():
         msg = f"{path_text(path)} has no extractable text (a scanned PDF? run OCR on it first)"
         raise InvalidInputError(msg)
     check_unicode(text, path_text(path))
-    return _file_document(path, text, pages=len(pages))
+    # Each leaf keeps the page it starts on, numbered as LangChain's PDF loaders number
+    # them: ``page`` from 0, ``page_label`` as printed (the PDF's own labels: "iv", "12").
+    segments, at = [], 0
+    for i, page in kept:
+        segments.append(Segment(start=at, metadata={"page": i, "page_label": labels[i]}))
+        at += len(page) + 2
+    return _file_document(path, text, {"pages": len(pages)}, tuple(segments))
+
+
+def _page_labels(reader: Any, count: int) -> list[str]:
+    """The PDF's page labels, or "1", "2", ... when it has none it can give."""
+    try:
+        labels = [str(label) for label in reader.page_labels]
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+        labels = []
+    if len(labels) != count:
+        labels = [str(i + 1) for i in range(count)]
+    return labels
 
 
 def _read_docx(path: Path, text_field: str) -> list[Document]:

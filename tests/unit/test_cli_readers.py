@@ -39,6 +39,36 @@ def test_pdf_text_and_page_count(tmp_path: Path) -> None:
     assert doc.text == "Volcanoes erupt lava (hot).\n\nPage two."
     assert doc.metadata == {"source": str(pdf), "pages": 2}
     assert "%PDF" not in doc.text
+    # Each page is a segment: the leaves of a build keep the page they start on.
+    assert [(s.start, s.metadata) for s in doc.segments] == [
+        (0, {"page": 0, "page_label": "1"}),
+        (doc.text.index("Page two."), {"page": 1, "page_label": "2"}),
+    ]
+
+
+def test_pdf_leaves_keep_their_page(tmp_path: Path) -> None:
+    from raptor_core import TreeBuilder
+    from raptor_core.testing import (
+        EchoSummarizer,
+        FakeEmbedder,
+        GroupClusterer,
+        WhitespaceTokenizer,
+    )
+
+    lines = [f"Volcano {i} erupted in the year {1800 + i} with ash." for i in range(8)]
+    pdf = make_pdf(tmp_path / "v.pdf", [lines[:4], [], lines[4:]])  # page 2 is blank
+    [doc] = read_documents([str(pdf)])
+    builder = TreeBuilder(
+        FakeEmbedder(),
+        EchoSummarizer(),
+        tokenizer=WhitespaceTokenizer(),
+        clusterer=GroupClusterer(2),
+        chunk_max_tokens=10,
+        random_state=0,
+    )
+    tree = builder.build([doc])
+    pages = {leaf.text.split()[1]: leaf.metadata["page_label"] for leaf in tree.leaves}
+    assert pages == {str(i): ("1" if i < 4 else "3") for i in range(8)}
 
 
 def test_pdf_without_text_is_refused(tmp_path: Path) -> None:
