@@ -222,7 +222,8 @@ def join_pages(
     numbered one more than the previous page by the same key.  The joined document has the
     first page's id, its metadata without the page keys, and one
     :class:`~raptor_core.types.Segment` per page holding that page's page keys, so each
-    leaf keeps the page it starts on.  A page joined with nothing, and anything that is
+    leaf keeps the page it starts on; a blank page (its text only whitespace) is part of the
+    run and adds nothing to the text.  A page joined with nothing, and anything that is
     not a page (no page number, a pre-split chunk, a document with segments already), is
     returned as given.
 
@@ -240,40 +241,35 @@ def join_pages(
     """
     keys = tuple(page_keys)
     runs: list[list[int]] = []
+    run_rest: dict[str, object] = {}  # the metadata, without page keys, of the last run
     previous: tuple[str, int] | None = None
     for index, doc in enumerate(documents):
         number = None if doc.chunk_of is not None or doc.segments else _page_number(doc, keys)
         rest = {k: v for k, v in doc.metadata.items() if k not in keys}
-        if (
-            runs
-            and number is not None
-            and previous is not None
-            and number == (previous[0], previous[1] + 1)
-            and rest
-            and rest == {k: v for k, v in documents[runs[-1][0]].metadata.items() if k not in keys}
-        ):
+        follows = previous is not None and number == (previous[0], previous[1] + 1)
+        if runs and follows and rest and rest == run_rest:
             runs[-1].append(index)
         else:
             runs.append([index])
+            run_rest = rest
         previous = number
     out: list[Rejoined] = []
     for run in runs:
-        first = documents[run[0]]
-        if len(run) == 1:
-            out.append(Rejoined(document=first, parts=(run[0],)))
+        # A blank page (a loader gives "" for it) belongs to the run but adds no text.
+        written = [i for i in run if documents[i].text.strip()]
+        if len(run) == 1 or not written:
+            out.extend(Rejoined(document=documents[i], parts=(i,)) for i in run)
             continue
         segments, offset = [], 0
-        for index in run:
+        for index in written:
             page = documents[index]
-            segments.append(
-                Segment(
-                    start=offset, metadata={k: page.metadata[k] for k in keys if k in page.metadata}
-                )
-            )
+            page_keys_of = {k: page.metadata[k] for k in keys if k in page.metadata}
+            segments.append(Segment(start=offset, metadata=page_keys_of))
             offset += len(page.text) + len(separator)
+        first = documents[run[0]]
         joined = dataclasses.replace(
             first,
-            text=separator.join(documents[i].text for i in run),
+            text=separator.join(documents[i].text for i in written),
             metadata={k: v for k, v in first.metadata.items() if k not in keys},
             segments=tuple(segments),
         )

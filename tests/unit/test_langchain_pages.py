@@ -115,3 +115,11 @@ def test_rejoin_splits_false_keeps_every_page_apart(tmp_path: Path) -> None:
         pages, FakeEmbedder(DIM), rejoin_splits=False, **options()
     )
     assert retriever.tree is not None and len(retriever.tree.doc_ids) == 3
+
+
+def test_a_blank_page_does_not_break_the_pdf_apart(tmp_path: Path) -> None:
+    pages = load(tmp_path, pages=[PAGES[0], [], PAGES[2]])
+    assert pages[1].page_content == ""  # what PyPDFLoader gives for a blank page
+    retriever = RaptorRetriever.from_documents(pages, FakeEmbedder(DIM), **options())
+    assert retriever.tree is not None and len(retriever.tree.doc_ids) == 1
+    assert {leaf.metadata["page"] for leaf in retriever.tree.leaves} == {0, 2}

@@ -188,3 +188,13 @@ def test_joined_pages_build_the_tree_of_their_whole_text() -> None:
     )
     assert [n.id for n in a.nodes] == [n.id for n in b.nodes]
     assert [n.text for n in a.nodes] == [n.text for n in b.nodes]
+
+
+def test_a_blank_page_is_part_of_the_run_and_adds_no_text() -> None:
+    given = pages("Cats purr.", "", "Owls hoot.", source="a.pdf")
+    [joined] = join_pages(given)
+    assert joined.parts == (0, 1, 2)
+    assert joined.document.text == "Cats purr.\nOwls hoot."
+    assert [s.metadata["page"] for s in joined.document.segments] == [0, 2]
+    # Blank pages alone are returned as given (an empty document is then refused as ever).
+    assert [r.parts for r in join_pages(pages("", " ", source="a.pdf"))] == [(0,), (1,)]
