@@ -528,9 +528,10 @@ class RaptorRetriever(BaseRetriever):
         Args:
             documents: LangChain documents; ``Document.id`` (or ``ids=[...]``) becomes the
                 document id, else a free ``doc-<n>`` is chosen.  Splits made with
-                ``add_start_index=True`` are joined back into their sources first, as in
-                :meth:`from_documents`: a joined source takes its first split's id, and
-                the returned list has one id per source.
+                ``add_start_index=True``, and a PDF loader's pages, are joined back into
+                their sources first, as in :meth:`from_documents`: a joined source takes
+                its first split's (or page's) id, and the returned list has one id per
+                source.
             **kwargs: ``ids``: the document ids, one per document; ``rejoin_splits``:
                 False to index every document as it is given.
 
@@ -778,8 +779,10 @@ class RaptorRetriever(BaseRetriever):
                 :func:`rejoin_documents`): consecutive documents with
                 ``metadata["start_index"]`` (``add_start_index=True``) cut from one source
                 become that source, which RAPTOR chunks itself; each overlap is then
-                stored once, and passages may cross the splits' boundaries.  False: every
-                document is indexed as it is given.
+                stored once, and passages may cross the splits' boundaries.  Consecutive
+                pages of one PDF (``metadata["page"]``, as PDF loaders number them) are
+                joined the same way, each leaf keeping its page.  False: every document is
+                indexed as it is given.
             **build_options: passed to :class:`raptor_core.TreeBuilder` (``chunk_max_tokens``,
                 ``max_layers``, ``random_state``, ``summarizer``, ...).
 
