@@ -816,13 +816,10 @@ class FAISSDialect:
     fetch_filters = True
 
     def __init__(self, vectorstore: VectorStore) -> None:
-        self.vectorstore = vectorstore
+        # langchain_community is optional: its attributes (index, docstore, ...) are untyped.
+        self.vectorstore: Any = vectorstore
         self._positions: dict[str, int] = {}
         self._positions_of: tuple[int, int] = (0, -1)
-
-    @property
-    def _store(self) -> Any:
-        return self.vectorstore
 
     def _position(self) -> dict[str, int]:
         """Document id -> index position, rebuilt when the store's mapping changed.
@@ -831,7 +828,7 @@ class FAISSDialect:
         it (positions shift as the index compacts), so its identity and size say when
         the reverse map is stale; every lookup is also checked against the mapping itself.
         """
-        mapping = self._store.index_to_docstore_id
+        mapping = self.vectorstore.index_to_docstore_id
         stamp = (id(mapping), len(mapping))
         if stamp != self._positions_of:
             self._positions = {str(doc_id): int(at) for at, doc_id in mapping.items()}
@@ -840,7 +837,7 @@ class FAISSDialect:
 
     def _positions_for(self, ids: Sequence[str]) -> list[tuple[str, int]]:
         """``(id, position)`` of the stored ids among ``ids``, in the order given."""
-        mapping = self._store.index_to_docstore_id
+        mapping = self.vectorstore.index_to_docstore_id
         positions = self._position()
         if any(i in positions and mapping.get(positions[i]) != i for i in ids):
             self._positions_of = (0, -1)  # changed behind our back: rebuild
@@ -848,13 +845,13 @@ class FAISSDialect:
         return [(i, positions[i]) for i in ids if i in positions]
 
     def _document(self, doc_id: str) -> Document | None:
-        doc = self._store.docstore.search(doc_id)
+        doc = self.vectorstore.docstore.search(doc_id)
         if not isinstance(doc, Document):
             return None  # the docstore answers a missing id with a message string
         return doc if doc.id == doc_id else doc.model_copy(update={"id": doc_id})
 
     def _vectors(self, positions: Sequence[int]) -> NDArray[np.float32]:
-        index = self._store.index
+        index = self.vectorstore.index
         if not positions:
             return np.zeros((0, int(index.d)), dtype=np.float32)
         try:
@@ -871,7 +868,7 @@ class FAISSDialect:
 
     def upsert(self, documents: Sequence[Document], vectors: NDArray[np.float32]) -> None:
         """``delete`` the stored ids, then the store's own ``add_embeddings`` with our vectors."""
-        width = int(self._store.index.d)
+        width = int(self.vectorstore.index.d)
         if vectors.ndim != 2 or vectors.shape[1] != width:
             # FAISS itself fails with a bare AssertionError.
             msg = (
@@ -883,8 +880,8 @@ class FAISSDialect:
         ids = [str(doc.id) for doc in documents]
         stored = [i for i, _ in self._positions_for(ids)]
         if stored:
-            self._store.delete(stored)
-        self._store.add_embeddings(
+            self.vectorstore.delete(stored)
+        self.vectorstore.add_embeddings(
             list(zip([d.page_content for d in documents], vectors.tolist(), strict=True)),
             metadatas=[dict(d.metadata) for d in documents],
             ids=ids,
@@ -905,12 +902,12 @@ class FAISSDialect:
 
     def query(self, vector: NDArray[np.float32], m: int, *, native: Any) -> list[Row]:
         """The index's nearest, filtered here; asked again for more until ``m`` pass."""
-        index = self._store.index
+        index = self.vectorstore.index
         total = int(index.ntotal)
         if total == 0:
             return []
         q = np.asarray(vector, dtype=np.float32).reshape(1, -1)
-        mapping = self._store.index_to_docstore_id
+        mapping = self.vectorstore.index_to_docstore_id
         asked = min(total, m if native is None else max(2 * m, m + 16))
         while True:
             _, found = index.search(q, asked)
@@ -932,15 +929,15 @@ class FAISSDialect:
         """The store's ``delete`` of the ids it holds (it raises on unknown ids)."""
         stored = [i for i, _ in self._positions_for([str(i) for i in ids])]
         if stored:
-            self._store.delete(stored)
+            self.vectorstore.delete(stored)
 
     def count(self) -> int:
         """Documents in the store (``index_to_docstore_id``)."""
-        return len(self._store.index_to_docstore_id)
+        return len(self.vectorstore.index_to_docstore_id)
 
     def scan(self) -> Iterator[Document]:
         """Every document, in index order."""
-        mapping = self._store.index_to_docstore_id
+        mapping = self.vectorstore.index_to_docstore_id
         for at in sorted(mapping):
             doc = self._document(str(mapping[at]))
             if doc is not None:
@@ -952,7 +949,7 @@ class FAISSDialect:
 
     def dim(self) -> int | None:
         """The index's dimension, once it holds a vector."""
-        index = self._store.index
+        index = self.vectorstore.index
         return int(index.d) if int(index.ntotal) > 0 else None
 
     def translate(self, pushdown: Pushdown) -> tuple[Any, bool]:
@@ -970,7 +967,7 @@ class FAISSDialect:
             )
             raise InvalidParameterError(msg)
         try:
-            on_metadata = self._store._create_filter_func(theirs)
+            on_metadata = self.vectorstore._create_filter_func(theirs)
         except ValueError as exc:
             raise InvalidParameterError(f"FAISS rejected the filter {theirs!r}: {exc}") from exc
 
