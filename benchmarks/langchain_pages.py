@@ -26,8 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from langchain_core.documents import Document
-
-from raptor_langchain import RaptorRetriever
+from langchain_splits import SplitsAsDocuments
 
 __all__ = ["PAGE_CHARS", "PagesAsDocuments", "PagesJoined", "cut_pages"]
 
@@ -55,29 +54,19 @@ def cut_pages(text: str, size: int = PAGE_CHARS) -> list[str]:
     return pages
 
 
-class PagesAsDocuments:
+class PagesAsDocuments(SplitsAsDocuments):
     """The default strategy over each document's pages, each indexed as a document."""
 
     rejoin = False
 
-    def __init__(self, corpus: Any) -> None:
-        pages = [
+    @staticmethod
+    def documents(corpus: Any) -> list[Document]:
+        """Each document's pages, numbered from 0, with the document's id as ``source``."""
+        return [
             Document(page_content=page, metadata={"source": d.doc_id, "page": i})
             for d in corpus.documents
             for i, page in enumerate(cut_pages(d.text))
         ]
-        self.retriever = RaptorRetriever.from_documents(
-            pages,
-            corpus.embedder,
-            k=1000,
-            rejoin_splits=self.rejoin,
-            tokenizer=corpus.tokenizer,
-            random_state=corpus.random_state,
-        )
-
-    def retrieve(self, question: str, *, max_tokens: int) -> list[str]:
-        """Passage texts, best first, within ``max_tokens``."""
-        return [doc.page_content for doc in self.retriever.invoke(question, max_tokens=max_tokens)]
 
 
 class PagesJoined(PagesAsDocuments):

@@ -36,20 +36,25 @@ class SplitsAsDocuments:
     rejoin = False
 
     def __init__(self, corpus: Any) -> None:
-        splitter = RecursiveCharacterTextSplitter(
-            chunk_size=1000, chunk_overlap=200, add_start_index=True
-        )
-        sources = [
-            Document(page_content=d.text, metadata={"source": d.doc_id}) for d in corpus.documents
-        ]
         self.retriever = RaptorRetriever.from_documents(
-            splitter.split_documents(sources),
+            self.documents(corpus),
             corpus.embedder,
             k=1000,
             rejoin_splits=self.rejoin,
             tokenizer=corpus.tokenizer,
             random_state=corpus.random_state,
         )
+
+    @staticmethod
+    def documents(corpus: Any) -> list[Document]:
+        """The tutorial's splits of the corpus's documents (``source``: the document id)."""
+        splitter = RecursiveCharacterTextSplitter(
+            chunk_size=1000, chunk_overlap=200, add_start_index=True
+        )
+        sources = [
+            Document(page_content=d.text, metadata={"source": d.doc_id}) for d in corpus.documents
+        ]
+        return splitter.split_documents(sources)
 
     def retrieve(self, question: str, *, max_tokens: int) -> list[str]:
         """Passage texts, best first, within ``max_tokens``."""

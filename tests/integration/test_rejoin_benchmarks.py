@@ -104,26 +104,24 @@ def test_joined_nodes_score_as_the_whole_documents(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_joined_splits_score_as_the_whole_documents(tmp_path: Path) -> None:
-    pytest.importorskip("langchain_text_splitters")
+@pytest.mark.parametrize(
+    ("apart", "joined"),
+    [
+        (
+            "splits-as-documents=langchain_splits:SplitsAsDocuments",
+            "splits-rejoined=langchain_splits:SplitsRejoined",
+        ),
+        (
+            "pages-as-documents=langchain_pages:PagesAsDocuments",
+            "pages-joined=langchain_pages:PagesJoined",
+        ),
+    ],
+    ids=["splits", "pages"],
+)
+def test_joined_langchain_documents_score_as_the_whole_documents(
+    tmp_path: Path, apart: str, joined: str
+) -> None:
+    pytest.importorskip("langchain_text_splitters")  # langchain_splits, which pages build on
     _write_set(tmp_path / "data")
-    rows = _summary(
-        tmp_path / "data",
-        tmp_path / "out",
-        "passage,splits-as-documents=langchain_splits:SplitsAsDocuments,"
-        "splits-rejoined=langchain_splits:SplitsRejoined",
-    )
-    _assert_joined_scores_as_whole(rows, apart="splits-as-documents", joined="splits-rejoined")
-
-
-@pytest.mark.slow
-def test_joined_pages_score_as_the_whole_documents(tmp_path: Path) -> None:
-    pytest.importorskip("langchain_core")
-    _write_set(tmp_path / "data")
-    rows = _summary(
-        tmp_path / "data",
-        tmp_path / "out",
-        "passage,pages-as-documents=langchain_pages:PagesAsDocuments,"
-        "pages-joined=langchain_pages:PagesJoined",
-    )
-    _assert_joined_scores_as_whole(rows, apart="pages-as-documents", joined="pages-joined")
+    rows = _summary(tmp_path / "data", tmp_path / "out", f"passage,{apart},{joined}")
+    _assert_joined_scores_as_whole(rows, apart=apart.split("=")[0], joined=joined.split("=")[0])
