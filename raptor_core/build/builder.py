@@ -124,12 +124,7 @@ def to_documents(documents: Iterable[str | Document | Mapping[str, Any]]) -> lis
             msg = f"duplicate doc_id {doc.doc_id!r}: give every document a unique id"
             raise InvalidInputError(msg)
         seen.add(doc.doc_id)
-        try:
-            # Encoded as the tree file will be: a lone surrogate cannot be written as UTF-8.
-            json.dumps(doc.metadata, allow_nan=False, ensure_ascii=False).encode()
-        except (TypeError, ValueError) as exc:
-            msg = f"metadata of document {doc.doc_id!r} must be JSON-serialisable: {exc}"
-            raise InvalidInputError(msg) from exc
+        _check_json(doc.metadata, f"metadata of document {doc.doc_id!r}")
         _check_segments(doc)
         out.append(doc)
     return out
@@ -164,11 +159,17 @@ def _check_segments(doc: Document) -> None:
         if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
             msg = f"segment metadata of document {doc.doc_id!r} must be a dict with str keys"
             raise InvalidInputError(msg)
-        try:
-            json.dumps(meta, allow_nan=False, ensure_ascii=False).encode()
-        except (TypeError, ValueError) as exc:
-            msg = f"segment metadata of document {doc.doc_id!r} must be JSON-serialisable: {exc}"
-            raise InvalidInputError(msg) from exc
+        _check_json(meta, f"segment metadata of document {doc.doc_id!r}")
+
+
+def _check_json(metadata: object, what: str) -> None:
+    """Raise InvalidInputError naming ``what`` unless ``metadata`` can go into a tree file."""
+    try:
+        # Encoded as the tree file will be: a lone surrogate cannot be written as UTF-8.
+        json.dumps(metadata, allow_nan=False, ensure_ascii=False).encode()
+    except (TypeError, ValueError) as exc:
+        msg = f"{what} must be JSON-serialisable: {exc}"
+        raise InvalidInputError(msg) from exc
 
 
 def _is_unicode(text: str) -> bool:
