@@ -74,6 +74,13 @@ _BIC_PATIENCE = 5
 #: UMAP computes exact neighbours itself below this size (umap-learn's own cut-off); above it,
 #: a dense (n, n) distance matrix would be too large and UMAP's NN-descent is used instead.
 _EXACT_KNN_MAX = 4096
+#: Up to this many points UMAP starts from a spectral layout computed here with a dense
+#: eigensolver (:func:`_spectral_start`); above it, from its own (ARPACK's).  A dense solve of
+#: 1,024 points takes about 0.1 s.
+_DENSE_SPECTRAL_MAX = 1024
+#: UMAP's epochs for graphs of up to 10,000 points; it drops edges weaker than 1 / epochs of
+#: the strongest before laying the graph out.
+_UMAP_EPOCHS = 500
 #: Metrics for which this module computes exact neighbours; UMAP accepts the same names.
 _METRICS = ("cosine", "euclidean", "manhattan")
 #: sklearn's default covariance regulariser, as in the paper's code; keeps duplicate points and
@@ -364,18 +371,25 @@ class GMMClusterer:
         precomputed: tuple[Any, ...] = (None, None, None)
         if n < _EXACT_KNN_MAX:
             precomputed = _exact_knn(x, n_neighbors, self.metric)
-        reducer = umap.UMAP(
-            n_neighbors=n_neighbors,
-            n_components=self.reduction_dim,
-            metric=self.metric,
-            random_state=seed,
-            # UMAP is always seeded here (from random_state), which makes it single-threaded;
-            # saying so avoids its "n_jobs overridden" warning.
-            n_jobs=1,
-            low_memory=True,
-            precomputed_knn=precomputed,
-        )
         try:
+            init: str | NDArray[np.float32] = "spectral"
+            if n <= _DENSE_SPECTRAL_MAX:
+                knn = (precomputed[0], precomputed[1])
+                start = _spectral_start(umap, x, knn, self.reduction_dim, self.metric, seed)
+                # A graph of several components: PCA's start, which is deterministic too.
+                init = "pca" if start is None else start
+            reducer = umap.UMAP(
+                n_neighbors=n_neighbors,
+                n_components=self.reduction_dim,
+                metric=self.metric,
+                random_state=seed,
+                init=init,
+                # UMAP is always seeded here (from random_state), which makes it single-threaded;
+                # saying so avoids its "n_jobs overridden" warning.
+                n_jobs=1,
+                low_memory=True,
+                precomputed_knn=precomputed,
+            )
             with warnings.catch_warnings():
                 # Expected here: no NN-descent index for transform() (we never transform),
                 # spectral-init fallbacks on tiny or degenerate graphs (random init is seeded),
@@ -465,6 +479,58 @@ def _exact_knn(
     dist = np.take_along_axis(d, idx, axis=1)
     dist[:, 0] = 0.0
     return idx.astype(np.int32), dist.astype(np.float32), None
+
+
+def _spectral_start(
+    umap: ModuleType,
+    x: NDArray[np.float32],
+    knn: tuple[NDArray[np.int32], NDArray[np.float32]],
+    dim: int,
+    metric: str,
+    seed: int,
+) -> NDArray[np.float32] | None:
+    """UMAP's spectral start, from a dense eigensolver; None when the graph is not connected.
+
+    UMAP's own start takes the eigenvectors of the normalised Laplacian of its neighbour graph
+    from ARPACK, and ARPACK draws the vector it restarts from with a seed kept from call to
+    call in the process.  It restarts when its Krylov space runs out: always on graphs of
+    about ``2 * (dim + 1)`` points or fewer, where that space is the whole graph, and on
+    repeated eigenvalues.  There, the layout (and so the clusters) depended on how many
+    layouts the process had computed before: the same 14 hashed vectors were clustered two
+    ways, alternately, call after call.  A dense solver has no such state.  Each vector's
+    sign is fixed (its largest entry positive), as an eigenvector is defined only up to it,
+    and the start is scaled and jittered as UMAP scales and jitters its own.
+    """
+    sparse = require("scipy.sparse", package="scipy")
+    csgraph = require("scipy.sparse.csgraph", package="scipy")
+    linalg = require("scipy.linalg", package="scipy")
+    n = x.shape[0]
+    indices, distances = knn
+    graph, _, _ = umap.umap_.fuzzy_simplicial_set(
+        x,
+        indices.shape[1],  # n_neighbors
+        np.random.RandomState(seed),  # unused: the neighbours are given
+        metric,
+        knn_indices=indices,
+        knn_dists=distances,
+    )
+    graph = sparse.coo_matrix(graph)
+    # UMAP lays out the graph without the edges too weak to be sampled in its 500 epochs.
+    graph.data[graph.data < graph.data.max() / _UMAP_EPOCHS] = 0.0
+    graph.eliminate_zeros()
+    if csgraph.connected_components(graph, directed=False)[0] > 1:
+        return None
+    weights = graph.toarray().astype(np.float64)
+    scale = 1.0 / np.sqrt(weights.sum(axis=0))
+    laplacian = np.eye(n) - scale[:, None] * weights * scale[None, :]
+    # The dim + 1 smallest; the first is the constant (degree) vector and is dropped.
+    _, vectors = linalg.eigh(laplacian, subset_by_index=[0, dim])
+    coords = vectors[:, 1:]
+    pivots = np.argmax(np.abs(coords), axis=0)
+    coords = coords * np.where(coords[pivots, np.arange(dim)] < 0, -1.0, 1.0)
+    coords *= 10.0 / np.abs(coords).max()
+    noise = np.random.default_rng(seed).normal(scale=1e-4, size=coords.shape)
+    return (coords + noise).astype(np.float32)
 
 
 def _pca(x: NDArray[np.float32], dim: int, metric: str) -> NDArray[np.float64]:

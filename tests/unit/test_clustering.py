@@ -163,6 +163,77 @@ def test_same_seed_same_clusters() -> None:
     assert first == second
 
 
+# Hashed vectors of 14 short texts on which UMAP's own spectral start (ARPACK) gave two
+# clusterings, alternately, call after call in one process.
+ARPACK_RESTARTS = [
+    "beta eps rho nu rho",
+    "rho zeta iota mu zeta sigma alpha pi",
+    "eps xi theta pi tau zeta",
+    "eps xi nu rho pi",
+    "tau sigma gamma alpha kappa eta rho pi",
+    "lambda mu rho alpha kappa",
+    "iota sigma tau pi iota rho beta",
+    "zeta eps nu omicron rho eps",
+    "pi zeta beta omicron pi iota delta gamma",
+    "omicron eta alpha xi omicron",
+    "lambda theta kappa alpha",
+    "eps lambda iota mu gamma eta",
+    "omicron theta alpha xi kappa nu",
+    "iota rho rho",
+]
+
+
+def _exhaust_arpack() -> None:
+    # An eigsh call whose Krylov space is the whole matrix: ARPACK draws restart vectors
+    # from its process-wide seed, as UMAP's spectral start did on small graphs.
+    from scipy.sparse.linalg import eigsh
+
+    eigsh(np.diag(np.repeat([1.0, 2.0, 3.0], 5)), k=6, which="SM", ncv=15, v0=np.ones(15))
+
+
+def test_clusters_do_not_depend_on_earlier_calls_in_the_process() -> None:
+    from raptor_core.testing import FakeEmbedder
+
+    vectors = FakeEmbedder(dim=384).embed_documents(ARPACK_RESTARTS)
+    results = []
+    for _ in range(10):  # before the fix, two clusterings came back within a few calls
+        results.append(GMMClusterer(random_state=0).cluster(vectors))
+        _exhaust_arpack()
+    assert all(r == results[0] for r in results)
+
+
+def test_spectral_start_is_deterministic_and_sign_fixed() -> None:
+    from raptor_core.build.clustering import _exact_knn, _load_umap, _spectral_start
+
+    umap = _load_umap()
+    vectors = blobs(1, n_blobs=1, per_blob=40)
+    indices, distances, _ = _exact_knn(vectors, 10, "cosine")
+    first = _spectral_start(umap, vectors, (indices, distances), 5, "cosine", seed=3)
+    _exhaust_arpack()
+    again = _spectral_start(umap, vectors, (indices, distances), 5, "cosine", seed=3)
+    assert first is not None and again is not None
+    assert first.shape == (40, 5) and first.dtype == np.float32
+    assert np.array_equal(first, again)
+    # Scaled as UMAP scales its own start; each column's largest entry is positive.
+    assert np.abs(first).max() == pytest.approx(10.0, abs=1e-3)
+    pivots = np.argmax(np.abs(first), axis=0)
+    assert np.all(first[pivots, np.arange(5)] > 0)
+
+
+def test_spectral_start_declines_a_graph_of_several_components() -> None:
+    from raptor_core.build.clustering import _exact_knn, _load_umap, _spectral_start
+
+    umap = _load_umap()
+    vectors = blobs(2, n_blobs=2, per_blob=15)
+    # Each point's neighbours only within its own blob: two components.
+    indices, distances, _ = _exact_knn(vectors, 5, "cosine")
+    assert _spectral_start(umap, vectors, (indices, distances), 5, "cosine", seed=0) is None
+    # ... and the clusterer still lays them out (from PCA's start) and keeps them apart.
+    clusters = GMMClusterer(random_state=0, global_n_neighbors=5).cluster(vectors)
+    assert_canonical(clusters, 30)
+    assert all(max(c) < 15 or min(c) >= 15 for c in clusters)
+
+
 def test_different_seeds_are_allowed_to_differ() -> None:
     vectors = noisy_line(3)
     results = [GMMClusterer(random_state=s).cluster(vectors) for s in (0, 1)]
