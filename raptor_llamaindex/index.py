@@ -111,7 +111,7 @@ def _documents_from_tree(tree: Tree) -> list[Document]:
     # A bare tree (e.g. from `raptor build`) does not keep its documents: rejoin each one's
     # leaf chunks, in span order.  Whitespace between chunks is normalised to one space.
     texts: dict[str, list[tuple[int, str]]] = {}
-    metadata: dict[str, dict[str, Any]] = {}
+    metadata: dict[str, list[Mapping[str, Any]]] = {}
     chunks: list[Document] = []
     for leaf in tree.leaves:
         if leaf.doc_id is None:
@@ -129,18 +129,25 @@ def _documents_from_tree(tree: Tree) -> list[Document]:
             continue
         start = leaf.span[0] if leaf.span is not None else 0
         texts.setdefault(leaf.doc_id, []).append((start, leaf.text))
-        metadata.setdefault(leaf.doc_id, dict(leaf.metadata))
+        metadata.setdefault(leaf.doc_id, []).append(leaf.metadata)
     return [
         *(
             Document(
                 text=" ".join(t for _, t in sorted(parts, key=lambda p: p[0])),
                 doc_id=d,
-                metadata=metadata[d],
+                metadata=_shared_metadata(metadata[d]),
             )
             for d, parts in texts.items()
         ),
         *chunks,
     ]
+
+
+def _shared_metadata(metadatas: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    # A document's metadata is what all its leaves share: a leaf also holds the metadata of
+    # the part of the text it starts in (a PDF's page, from `raptor build`).
+    first, *others = metadatas
+    return {k: v for k, v in first.items() if all(k in m and m[k] == v for m in others)}
 
 
 def _empty_tree(embedder: Embedder) -> Tree:

@@ -609,6 +609,30 @@ def test_insert_into_an_index_wrapping_a_bare_tree() -> None:
     assert set(index.tree.doc_ids) == {*TOPICS, "volcano"}
 
 
+def test_a_bare_trees_document_keeps_only_what_all_its_leaves_share() -> None:
+    # `raptor build` gives a PDF's leaves the page they start on; the document rejoined
+    # from them is not on page 0.
+    from raptor_core import Segment, TreeBuilder
+    from raptor_core import Document as CoreDocument
+
+    pages = ["Cats purr when content. Cats sleep all day.", "Cats hunt mice at night. Mice hide."]
+    pdf = CoreDocument(
+        text="\n".join(pages),
+        doc_id="cats.pdf",
+        metadata={"source": "cats.pdf"},
+        segments=(
+            Segment(start=0, metadata={"page": 0, "page_label": "i"}),
+            Segment(start=len(pages[0]) + 1, metadata={"page": 1, "page_label": "ii"}),
+        ),
+    )
+    tree = TreeBuilder(FakeEmbedder(32), **fast_options()).build([pdf])
+    assert {leaf.metadata.get("page") for leaf in tree.leaves} == {0, 1}
+    index = RaptorIndex.from_tree(tree, embed_model=FakeEmbedder(32), **fast_options())
+    [document] = index.documents
+    assert document.metadata == {"source": "cats.pdf"}
+    assert index.ref_doc_info["cats.pdf"].metadata == {"source": "cats.pdf"}
+
+
 # -- engines ---------------------------------------------------------------------------------------
 def test_query_engine_with_mock_llm(index: RaptorIndex) -> None:
     engine = index.as_query_engine(llm=MockLLM(), similarity_top_k=5, response_mode="compact")
