@@ -13,6 +13,7 @@ module converts documents, routes arguments and keeps the store in step.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import inspect
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -39,6 +40,7 @@ from llama_index.core.storage.storage_context import StorageContext
 
 from raptor_core.build.builder import ProgressCallback, TreeBuilder, describe
 from raptor_core.build.incremental import TreeUpdate, UpdateReport
+from raptor_core.build.rejoin import Rejoined, join_pages
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
 from raptor_core.store._format import MAX_DIM
 from raptor_core.store.codec import MAX_LAYERS, checked_layer_sizes, tree_layer_sizes
@@ -223,6 +225,9 @@ class RaptorIndexStruct(IndexStruct):
     #: whether a node parser's nodes are joined back into their documents on every update
     #: (see ``RaptorIndex``); None: written by an older version, which never joined them
     rejoin_nodes: Any = None
+    #: whether a PDF loader's pages are joined into one document for the tree on every
+    #: update (see ``RaptorIndex``); None: written by an older version, which never joined them
+    join_pages: Any = None
 
     @classmethod
     def get_type(cls) -> IndexStructType:
@@ -266,9 +271,11 @@ def _checked_struct(struct: IndexStruct) -> RaptorIndexStruct:
             "remove it to have the first query check the embed model instead"
         )
         raise TreeFormatError(msg)
-    if struct.rejoin_nodes is not None and not isinstance(struct.rejoin_nodes, bool):
-        msg = f"{where}: 'rejoin_nodes' is not true or false (edited or damaged)"
-        raise TreeFormatError(msg)
+    for flag in ("rejoin_nodes", "join_pages"):
+        value = getattr(struct, flag)
+        if value is not None and not isinstance(value, bool):
+            msg = f"{where}: {flag!r} is not true or false (edited or damaged)"
+            raise TreeFormatError(msg)
     struct.retriever = check_retriever_section(where, struct.retriever)
     struct.builder = check_builder_section(where, struct.builder)
     struct.documents = check_documents_section(where, struct.documents)
@@ -310,6 +317,13 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
     RAPTOR then chunks itself: better leaves for RAPTOR than nodes sized for a flat index,
     at the cost of the nodes' own ids.  The setting is saved with the index and every later
     update follows it.
+
+    Pages: a PDF reader's pages (one ``Document`` per page, numbered by ``page_label``)
+    are joined, consecutive pages of one file, into one document of the tree under the first
+    page's id (:func:`raptor_core.build.rejoin.join_pages`), and each leaf keeps the page it
+    starts on.  The index's documents stay the pages: updates, deletes and ``ref_doc_info``
+    take page ids, and each update joins them again.  ``join_pages=False`` keeps each page a
+    document; the setting is saved with the index (an index saved before it never joins).
 
     Setup:
         ``pip install 'raptor-retriever[llamaindex]'``
@@ -377,6 +391,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         show_progress: bool = False,
         transformations: Any = None,
         rejoin_nodes: bool | None = None,
+        join_pages: bool | None = None,
         **kwargs: Any,
     ) -> None:
         """Build over ``nodes`` (LlamaIndex's constructor protocol), or open ``index_struct``.
@@ -384,11 +399,12 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         ``load_index_from_storage`` calls this with the stored ``index_struct``; its keyword
         arguments (``embed_model``, ``llm``, ``TreeBuilder`` components for later updates)
         arrive here.  ``rejoin_nodes`` None keeps what the index was built with (False for
-        a new one).
+        a new one); ``join_pages`` None keeps it too (True for a new one).
         """
-        if rejoin_nodes is not None and not isinstance(rejoin_nodes, bool):
-            msg = f"rejoin_nodes must be True or False, got {rejoin_nodes!r:.80}"
-            raise InvalidParameterError(msg)
+        for flag, value in (("rejoin_nodes", rejoin_nodes), ("join_pages", join_pages)):
+            if value is not None and not isinstance(value, bool):
+                msg = f"{flag} must be True or False, got {value!r:.80}"
+                raise InvalidParameterError(msg)
         storage_context = storage_context or StorageContext.from_defaults()
         building = index_struct is None
         if index_struct is None:
@@ -399,6 +415,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
                 retriever={**excluded_metadata_keys(items), **retriever_kwargs},
                 builder=_jsonable_builder_args(builder_kwargs),
                 rejoin_nodes=bool(rejoin_nodes),
+                join_pages=join_pages is not False,
             )
         else:
             index_struct = _checked_struct(index_struct)
@@ -413,6 +430,8 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             items, docs = [], []
             if rejoin_nodes is not None:
                 index_struct.rejoin_nodes = rejoin_nodes
+            if join_pages is not None:
+                index_struct.join_pages = join_pages
         self._store = LlamaIndexNodeStore(
             storage_context.vector_store,
             docstore=storage_context.docstore,
@@ -571,12 +590,15 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         storage_context: StorageContext | None = None,
         documents: Sequence[Document] | None = None,
         rejoin_nodes: bool = False,
+        join_pages: bool = False,
         **kwargs: Any,
     ) -> RaptorIndex:
         """Write an existing tree (built by ``TreeBuilder`` or ``raptor build``) into an index.
 
         ``kwargs`` are retrieval defaults and ``TreeBuilder`` parameters for later updates;
-        ``rejoin_nodes`` applies to later updates (see the class docs).
+        ``rejoin_nodes`` and ``join_pages`` apply to later updates (see the class docs): a
+        tree built elsewhere holds its documents as they were given, so pages are not
+        joined unless asked.
         Without ``documents``, ``index.documents`` are rejoined from the leaf chunks.
         """
         if not isinstance(tree, Tree):
@@ -591,6 +613,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             llm=llm,
             summarizer=summarizer,
             rejoin_nodes=rejoin_nodes,
+            join_pages=join_pages,
             **{k: v for k, v in kwargs.items() if k in builder_kwargs},
             **_flat_retriever_args(retriever_kwargs),
         )
@@ -656,7 +679,41 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
                 _already_indexed(d.doc_id)
         grown = {d.chunk_of for d in new if d.chunk_of is not None}
         write = [d for d in kept if (d.chunk_of or d.doc_id) in grown] + new
+        if self._index_struct.join_pages:
+            # Pages are joined only when they follow each other: a replaced page keeps its place.
+            docs = _in_place(docs, current)
         return docs, write, sorted(gone - {d.chunk_of or d.doc_id for d in write})
+
+    def _runs(self, docs: Sequence[Document]) -> list[Rejoined]:
+        """The tree's documents made of ``docs``: a PDF loader's pages joined, if asked."""
+        if self._index_struct.join_pages:
+            return join_pages(docs)
+        return [Rejoined(document=d, parts=(i,)) for i, d in enumerate(docs)]
+
+    def _tree_plan(
+        self, docs: Sequence[Document], write: Sequence[Document], delete: Sequence[str]
+    ) -> tuple[list[Document], list[Document], list[str]]:
+        """:meth:`_plan`'s update in the tree's terms: (documents, to write, to delete).
+
+        With ``join_pages``, the index's documents are the pages as given, and the tree holds
+        each run of pages as one document (the first page's id).  A joined document is written
+        when it is new, differs from the one the tree holds, or holds a document to write; a
+        tree document that no longer results is deleted.
+        """
+        if not self._index_struct.join_pages:
+            return list(docs), list(write), list(delete)
+        before = {r.document.doc_id: r.document for r in self._runs(self.documents)}
+        runs = self._runs(docs)
+        written = {d.doc_id for d in write}
+        tree_write = [
+            r.document
+            for r in runs
+            if before.get(r.document.doc_id) != r.document
+            or any(docs[i].doc_id in written for i in r.parts)
+        ]
+        tree_docs = [r.document for r in runs]
+        gone = _sources(before.values()) - _sources(tree_docs)
+        return tree_docs, tree_write, sorted(gone)
 
     def _needs_build(self, tree: Tree, write: Sequence[Document]) -> bool:
         # An empty tree has nothing to update; a tree of leaves only has no summary to keep
@@ -674,13 +731,14 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         are two), or None when the tree was built whole.
         """
         docs, write, delete = self._plan(added, removed)
+        tree_docs, write, delete = self._tree_plan(docs, write, delete)
         tree = self.tree
         keep_docs = self._documents is not None
         progress = _TqdmProgress() if show_progress else None
         reports: list[UpdateReport] | None = None
         try:
             if not docs or self._needs_build(tree, write):
-                self._write(self._build(docs, show_progress=show_progress), docs)
+                self._write(self._build(tree_docs, show_progress=show_progress), docs)
             else:
                 reports = []
                 builder = self._builder(progress)
@@ -700,13 +758,14 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
     ) -> list[UpdateReport] | None:
         """Async :meth:`_update` (the core's async twins; store writes off the event loop)."""
         docs, write, delete = await asyncio.to_thread(self._plan, added, removed)
+        tree_docs, write, delete = await asyncio.to_thread(self._tree_plan, docs, write, delete)
         tree = await asyncio.to_thread(lambda: self.tree)
         keep_docs = self._documents is not None
         progress = _TqdmProgress() if show_progress else None
         reports: list[UpdateReport] | None = None
         try:
             if not docs or self._needs_build(tree, write):
-                built = await self._abuild(docs, show_progress=show_progress)
+                built = await self._abuild(tree_docs, show_progress=show_progress)
                 await asyncio.to_thread(self._write, built, docs)
             else:
                 reports = []
@@ -849,9 +908,10 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
     def ref_doc_info(self) -> dict[str, RefDocInfo]:
         """Each document's chunk (leaf) node ids and metadata, as LlamaIndex reports it."""
         leaves: dict[str, list[str]] = {}
+        page_of = self._page_of_leaf()
         for leaf in self.tree.leaves:
             if leaf.doc_id is not None:
-                leaves.setdefault(leaf.doc_id, []).append(leaf.id)
+                leaves.setdefault(page_of.get(leaf.id, leaf.doc_id), []).append(leaf.id)
         # Pre-split nodes (chunk_of set) are reported under their source document.
         metadata: dict[str, dict[str, Any]] = {}
         for d in self.documents:
@@ -860,6 +920,35 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         return {
             ref: RefDocInfo(node_ids=leaves.get(ref, []), metadata=meta)
             for ref, meta in metadata.items()
+        }
+
+    def _page_of_leaf(self) -> dict[str, str]:
+        """The page (its document id) each leaf of a joined PDF starts on."""
+        docs = self.documents
+        # Per joined document: its pages' ids and where they start.  A blank page has no
+        # segment: it adds no text (see join_pages).
+        joined = {
+            r.document.doc_id: (
+                [docs[i].doc_id for i in r.parts if docs[i].text.strip()],
+                [segment.start for segment in r.document.segments],
+            )
+            for r in self._runs(docs)
+            if len(r.parts) > 1
+        }
+        out: dict[str, str] = {}
+        for leaf in self.tree.leaves if joined else ():
+            if leaf.doc_id in joined and leaf.span is not None:
+                pages, starts = joined[leaf.doc_id]
+                out[leaf.id] = pages[max(0, bisect.bisect_right(starts, leaf.span[0]) - 1)]
+        return out
+
+    def _tree_doc_ids(self) -> dict[str, str]:
+        """The tree document each indexed document is part of (itself, or its joined PDF)."""
+        docs = self.documents
+        return {
+            docs[i].doc_id: run.document.chunk_of or run.document.doc_id
+            for run in self._runs(docs)
+            for i in run.parts
         }
 
     @property
@@ -981,7 +1070,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             items = run_ingestion([documents[i] for i in todo], self._transformations)
             reports = self._update(added=items, removed=self._known(documents, todo))
             self._record_hashes(documents[i] for i in todo)
-            return self._refreshed(documents, todo, reports)
+            return self._refreshed(documents, todo, reports, self._tree_doc_ids())
 
     async def arefresh_ref_docs(self, documents: Sequence[Any], **_: Any) -> list[bool]:
         """Async :meth:`refresh_ref_docs`."""
@@ -991,7 +1080,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         items = await arun_ingestion([documents[i] for i in todo], self._transformations)
         reports = await self._aupdate(added=items, removed=self._known(documents, todo))
         self._record_hashes(documents[i] for i in todo)
-        return self._refreshed(documents, todo, reports)
+        return self._refreshed(documents, todo, reports, self._tree_doc_ids())
 
     def _stale(self, documents: Sequence[Any]) -> list[int]:
         """Positions of the documents whose hash is not the one recorded (new ones included)."""
@@ -1013,13 +1102,17 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
 
     @staticmethod
     def _refreshed(
-        documents: Sequence[Any], todo: Sequence[int], reports: list[UpdateReport] | None
+        documents: Sequence[Any],
+        todo: Sequence[int],
+        reports: list[UpdateReport] | None,
+        tree_doc_ids: Mapping[str, str],
     ) -> list[bool]:
         # No reports: the tree was built whole, and every stale document went into it.
         changed = None if reports is None else {d for r in reports for d in r.docs_changed}
         stale = set(todo)
         return [
-            i in stale and (changed is None or doc.node_id in changed)
+            i in stale
+            and (changed is None or tree_doc_ids.get(doc.node_id, doc.node_id) in changed)
             for i, doc in enumerate(documents)
         ]
 
@@ -1150,16 +1243,20 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         instead.  Models are not saved: pass them to :meth:`load`.
         """
         documents = self._index_struct.documents
-        # Written only when set, so that an index that never joins nodes stays readable by
-        # versions before the option.
-        rejoin = {"rejoin_nodes": True} if self._index_struct.rejoin_nodes else {}
+        # Written only when set, so that an index that never joins stays readable by versions
+        # before the options.
+        flags = {
+            flag: True
+            for flag in ("rejoin_nodes", "join_pages")
+            if getattr(self._index_struct, flag)
+        }
         return save_with_params(
             self.tree,
             persist_dir,
             retriever=self._index_struct.retriever,
             builder=_jsonable_builder_args(self._builder_kwargs),
             documents=documents,
-            **rejoin,
+            **flags,
         )
 
     @classmethod
@@ -1173,6 +1270,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         callback_manager: CallbackManager | None = None,
         storage_context: StorageContext | None = None,
         rejoin_nodes: bool | None = None,
+        join_pages: bool | None = None,
         **builder_kwargs: Any,
     ) -> RaptorIndex:
         """Load an index exported by :meth:`persist` (or a bare tree directory).
@@ -1190,6 +1288,8 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
                 ``SimpleVectorStore``).
             rejoin_nodes: join a node parser's nodes back into their documents on later
                 updates (see the class docs); None: as saved.
+            join_pages: join a PDF loader's pages into one document on later updates
+                (see the class docs); None: as saved.
             **builder_kwargs: ``TreeBuilder`` components or parameters for later inserts
                 (the saved JSON-serialisable ones are restored automatically).
 
@@ -1212,11 +1312,23 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             summarizer=summarizer,
             callback_manager=callback_manager,
             rejoin_nodes=saved.get("rejoin_nodes", False) if rejoin_nodes is None else rejoin_nodes,
+            join_pages=saved.get("join_pages", False) if join_pages is None else join_pages,
             **{**(saved.get("builder") or {}), **builder_kwargs},
         )
         index._index_struct.retriever = dict(saved.get("retriever") or {})
         index._write(tree, None if documents is None else to_core_documents(documents))
         return index
+
+
+def _in_place(docs: Sequence[Document], current: Sequence[Document]) -> list[Document]:
+    """``docs`` with each document that replaces one of ``current`` (same id) at its place."""
+    place = {d.doc_id: i for i, d in enumerate(current)}
+    order = sorted(range(len(docs)), key=lambda j: (place.get(docs[j].doc_id, len(current)), j))
+    return [docs[j] for j in order]
+
+
+def _sources(docs: Iterable[Document]) -> set[str]:
+    return {d.chunk_of or d.doc_id for d in docs}
 
 
 def _flat_retriever_args(nested: Mapping[str, Any]) -> dict[str, Any]:

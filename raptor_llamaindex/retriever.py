@@ -647,7 +647,7 @@ _RETRIEVER_KEYS = frozenset(
 #: Strategy parameters that are objects, so never read from a file (pass them again).
 _OBJECT_STRATEGY_PARAMS = frozenset({"index", "llm"})
 _TOP_KEYS = frozenset(
-    {"format", "format_version", "retriever", "builder", "documents", "rejoin_nodes"}
+    {"format", "format_version", "retriever", "builder", "documents", "rejoin_nodes", "join_pages"}
 )
 _MAX_STRING = 100_000
 _MAX_LIST = 10_000
@@ -807,8 +807,9 @@ def read_params(directory: str | os.PathLike[str]) -> dict[str, Any]:
         out["builder"] = check_builder_section(path, document["builder"])
     if "documents" in document:
         out["documents"] = check_documents_section(path, document["documents"])
-    if "rejoin_nodes" in document:
-        if not isinstance(document["rejoin_nodes"], bool):
-            raise _bad(path, "'rejoin_nodes' is not true or false")
-        out["rejoin_nodes"] = document["rejoin_nodes"]
+    for flag in ("rejoin_nodes", "join_pages"):
+        if flag in document:
+            if not isinstance(document[flag], bool):
+                raise _bad(path, f"{flag!r} is not true or false")
+            out[flag] = document[flag]
     return out

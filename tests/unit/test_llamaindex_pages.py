@@ -1,0 +1,236 @@
+"""RaptorIndex over a PDF loader's pages: one document in the tree, each leaf keeps its page.
+
+The pages come from real PDFs read by LlamaIndex's ``SimpleDirectoryReader``, with a reader
+that returns what llama-index-readers-file's ``PDFReader`` returns: one ``Document`` per page,
+its ``page_label`` and the file's metadata.  (That package pins an older pypdf and pandas
+than this project's other dependencies, so the reader is written here; it is four lines.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("llama_index.core")
+pytest.importorskip("pypdf")
+
+import pypdf
+from input_files import make_pdf
+from llama_index.core import (
+    Document,
+    SimpleDirectoryReader,
+    StorageContext,
+    load_index_from_storage,
+)
+from llama_index.core.readers.base import BaseReader
+
+from raptor_core.exceptions import InvalidParameterError, TreeFormatError
+from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer
+from raptor_llamaindex import RaptorIndex
+
+DIM = 32
+# The first page ends inside a sentence that the second page finishes.
+PAGES = [
+    ["Bees dance to show the hive where the flowers grow.", "The dance points at the"],
+    ["sun, and a longer waggle run means the flowers are", "farther from the hive."],
+    ["Honey is stored in wax cells.", "Bees fan their wings to dry it."],
+]
+
+
+class PageReader(BaseReader):
+    """One document per page, with its label and the file's metadata (as ``PDFReader``)."""
+
+    def load_data(self, file: Path, extra_info: dict[str, Any] | None = None) -> list[Document]:
+        pdf = pypdf.PdfReader(file)
+        return [
+            Document(
+                text=page.extract_text(),
+                metadata={
+                    "page_label": pdf.page_labels[i],
+                    "file_name": file.name,
+                    **(extra_info or {}),
+                },
+            )
+            for i, page in enumerate(pdf.pages)
+        ]
+
+
+def read(directory: Path, name: str = "bees.pdf", pages: list[list[str]] = PAGES) -> list[Document]:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = make_pdf(directory / name, pages)
+    return SimpleDirectoryReader(
+        input_files=[path], file_extractor={".pdf": PageReader()}, filename_as_id=True
+    ).load_data()
+
+
+def options(**extra: Any) -> dict[str, Any]:
+    return {
+        "embed_model": FakeEmbedder(DIM),
+        "summarizer": EchoSummarizer(),
+        "tokenizer": WhitespaceTokenizer(),
+        "chunk_max_tokens": 12,
+        "summary_max_tokens": 10,
+        "random_state": 0,
+        **extra,
+    }
+
+
+def crosses_the_break(text: str) -> bool:
+    # The loader ends each page's text with a line break, so the pages meet at a blank line.
+    return "points at the\n\nsun, and a longer" in text
+
+
+def page_of(text: str, pages: list[Document], offset: int) -> int:
+    starts = [text.index(p.text) for p in pages]
+    return max(i for i, start in enumerate(starts) if start <= offset)
+
+
+def test_pages_are_one_document_in_the_tree_and_each_leaf_keeps_its_page(
+    tmp_path: Path,
+) -> None:
+    pages = read(tmp_path)
+    assert [p.metadata["page_label"] for p in pages] == ["1", "2", "3"]
+    index = RaptorIndex.from_documents(pages, **options())
+    tree = index.tree
+    assert tree.doc_ids == (pages[0].doc_id,)  # the first page's id
+    assert index.ref_doc_ids == tuple(p.doc_id for p in pages)  # the pages, as given
+    joined = "\n".join(p.text for p in pages)
+    for leaf in tree.leaves:
+        assert leaf.span is not None
+        assert joined[leaf.span[0] : leaf.span[1]].strip() == leaf.text.strip()
+        page = page_of(joined, pages, leaf.span[0])
+        assert leaf.metadata["page_label"] == str(page + 1)
+        assert leaf.metadata["file_name"] == "bees.pdf"
+    # The sentence cut by the page break is in one leaf now.
+    assert any(crosses_the_break(leaf.text) for leaf in tree.leaves)
+    # Each page's nodes are the leaves that start on it.
+    info = index.ref_doc_info
+    assert list(info) == [p.doc_id for p in pages]
+    for i, page in enumerate(pages):
+        assert info[page.doc_id].metadata["page_label"] == str(i + 1)
+        for leaf_id in info[page.doc_id].node_ids:
+            assert tree.node(leaf_id).metadata["page_label"] == str(i + 1)
+    assert sorted(n for p in pages for n in info[p.doc_id].node_ids) == sorted(
+        leaf.id for leaf in tree.leaves
+    )
+    [hit, *_] = index.as_retriever(similarity_top_k=3).retrieve("Where do the dances point?")
+    assert hit.node.metadata["page_label"] in {"1", "2", "3"}
+
+
+def test_join_pages_false_keeps_each_page_a_document(tmp_path: Path) -> None:
+    pages = read(tmp_path)
+    index = RaptorIndex.from_documents(pages, join_pages=False, **options())
+    assert set(index.tree.doc_ids) == {p.doc_id for p in pages}
+    assert not any(crosses_the_break(leaf.text) for leaf in index.tree.leaves)
+
+
+def test_two_pdfs_are_two_documents(tmp_path: Path) -> None:
+    bees = read(tmp_path / "a")
+    ants = read(tmp_path / "b", "ants.pdf", [["Ants farm aphids for honeydew."], ["Ants march."]])
+    index = RaptorIndex.from_documents([*bees, *ants], **options())
+    assert index.tree.doc_ids == (bees[0].doc_id, ants[0].doc_id)
+
+
+def test_a_changed_page_is_joined_again_in_place(tmp_path: Path) -> None:
+    pages = read(tmp_path)
+    index = RaptorIndex.from_documents(pages, **options())
+    changed = Document(
+        text="sun, and a short waggle run means the flowers are near the hive.",
+        id_=pages[1].doc_id,
+        metadata=pages[1].metadata,
+    )
+    assert index.refresh_ref_docs([pages[0], changed, pages[2]]) == [False, True, False]
+    assert index.ref_doc_ids == tuple(p.doc_id for p in pages)
+    [document] = index.tree.doc_ids
+    text = " ".join(leaf.text for leaf in sorted(index.tree.leaves, key=lambda n: n.span or (0, 0)))
+    assert "short waggle run" in text and "longer waggle run" not in text
+    assert text.index("points at the") < text.index("short waggle") < text.index("Honey")
+    assert document == pages[0].doc_id
+    # update_ref_doc takes the same path.
+    index.update_ref_doc(pages[1])
+    assert any(crosses_the_break(leaf.text) for leaf in index.tree.leaves)
+
+
+def test_deleting_pages_splits_or_renames_the_run(tmp_path: Path) -> None:
+    pages = read(tmp_path)
+    index = RaptorIndex.from_documents(pages, **options())
+    index.delete_ref_doc(pages[1].doc_id)
+    # Pages 1 and 3 do not follow each other: two documents.
+    assert index.tree.doc_ids == (pages[0].doc_id, pages[2].doc_id)
+    assert index.ref_doc_ids == (pages[0].doc_id, pages[2].doc_id)
+    index.insert(pages[1])  # back at the end, after page 3: it follows nothing
+    assert set(index.tree.doc_ids) == {p.doc_id for p in pages}
+
+    index = RaptorIndex.from_documents(pages, **options())
+    index.delete_ref_doc(pages[0].doc_id)
+    assert index.tree.doc_ids == (pages[1].doc_id,)  # pages 2 and 3, under page 2's id
+
+
+def test_a_next_page_inserted_later_joins_the_pdf(tmp_path: Path) -> None:
+    pages = read(tmp_path)
+    index = RaptorIndex.from_documents(pages[:2], **options())
+    assert len(index.tree.doc_ids) == 1
+    index.insert(pages[2])
+    assert index.tree.doc_ids == (pages[0].doc_id,)
+    assert "Honey is stored" in " ".join(leaf.text for leaf in index.tree.leaves)
+
+
+def test_the_setting_is_saved_with_the_index(tmp_path: Path) -> None:
+    pages = read(tmp_path / "pdf")
+    index = RaptorIndex.from_documents(pages[:2], **options())
+    index.storage_context.persist(str(tmp_path / "storage"))
+    reopened = load_index_from_storage(
+        StorageContext.from_defaults(persist_dir=str(tmp_path / "storage")), **options()
+    )
+    assert isinstance(reopened, RaptorIndex)
+    reopened.insert(pages[2])
+    assert reopened.tree.doc_ids == (pages[0].doc_id,)
+
+    index.persist(tmp_path / "export")
+    loaded = RaptorIndex.load(tmp_path / "export", **options())
+    loaded.insert(pages[2])
+    assert loaded.tree.doc_ids == (pages[0].doc_id,)
+    # Changed on opening, the setting applies to the documents written from then on.
+    apart = RaptorIndex.load(tmp_path / "export", join_pages=False, **options())
+    apart.insert(pages[2])
+    assert pages[2].doc_id in apart.tree.doc_ids
+
+
+def test_an_index_saved_before_the_option_never_joins(tmp_path: Path) -> None:
+    pages = read(tmp_path / "pdf")
+    index = RaptorIndex.from_documents(pages[:2], join_pages=False, **options())
+    index._index_struct.join_pages = None  # as an older version wrote it
+    index.storage_context.persist(str(tmp_path / "storage"))
+    reopened = load_index_from_storage(
+        StorageContext.from_defaults(persist_dir=str(tmp_path / "storage")), **options()
+    )
+    reopened.insert(pages[2])
+    assert len(reopened.tree.doc_ids) == 3
+
+
+def test_bad_settings_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidParameterError, match="join_pages must be True or False"):
+        RaptorIndex.from_documents([Document(text="Bees dance.")], join_pages="yes", **options())
+    pages = read(tmp_path / "pdf")
+    index = RaptorIndex.from_documents(pages, **options())
+    index.persist(tmp_path / "export")
+    params = tmp_path / "export" / "raptor_llamaindex.json"
+    params.write_text(params.read_text().replace('"join_pages": true', '"join_pages": "yes"'))
+    with pytest.raises(TreeFormatError, match="join_pages"):
+        RaptorIndex.load(tmp_path / "export", **options())
+
+
+async def test_async_updates_join_pages_too(tmp_path: Path) -> None:
+    pages = read(tmp_path)
+    index = await RaptorIndex.afrom_documents(pages[:2], **options())
+    assert index.tree.doc_ids == (pages[0].doc_id,)
+    await index.ainsert(pages[2])
+    assert index.tree.doc_ids == (pages[0].doc_id,)
+    changed = Document(
+        text="Honey is kept in wax.", id_=pages[2].doc_id, metadata=pages[2].metadata
+    )
+    assert await index.arefresh_ref_docs([pages[0], pages[1], changed]) == [False, False, True]
+    assert index.tree.doc_ids == (pages[0].doc_id,)
+    assert "Honey is kept in wax." in " ".join(leaf.text for leaf in index.tree.leaves)
