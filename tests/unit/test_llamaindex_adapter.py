@@ -612,8 +612,8 @@ def test_insert_into_an_index_wrapping_a_bare_tree() -> None:
 def test_a_bare_trees_document_keeps_only_what_all_its_leaves_share() -> None:
     # `raptor build` gives a PDF's leaves the page they start on; the document rejoined
     # from them is not on page 0.
-    from raptor_core import Segment, TreeBuilder
     from raptor_core import Document as CoreDocument
+    from raptor_core import Segment, TreeBuilder
 
     pages = ["Cats purr when content. Cats sleep all day.", "Cats hunt mice at night. Mice hide."]
     pdf = CoreDocument(
