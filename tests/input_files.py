@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,6 +37,38 @@ def make_pdf(path: Path, pages: list[list[str]]) -> Path:
     with path.open("wb") as handle:
         writer.write(handle)
     return path
+
+
+def read_pdf_pages_with_llamaindex(paths: list[Path]) -> list[Any]:
+    """LlamaIndex documents of PDFs' pages, as ``SimpleDirectoryReader`` reads a folder of PDFs.
+
+    The reader returns what llama-index-readers-file's ``PDFReader`` returns: one ``Document``
+    per page, its ``page_label`` and the file's metadata.  (That package pins an older pypdf
+    and pandas than this project's other dependencies, so the reader is written here.)
+    """
+    pypdf = pytest.importorskip("pypdf")
+    from llama_index.core import Document, SimpleDirectoryReader
+    from llama_index.core.readers.base import BaseReader
+
+    class PageReader(BaseReader):
+        def load_data(self, file: Path, extra_info: dict[str, Any] | None = None) -> list[Any]:
+            pdf = pypdf.PdfReader(file)
+            return [
+                Document(
+                    text=page.extract_text(),
+                    metadata={
+                        "page_label": pdf.page_labels[i],
+                        "file_name": file.name,
+                        **(extra_info or {}),
+                    },
+                )
+                for i, page in enumerate(pdf.pages)
+            ]
+
+    reader = SimpleDirectoryReader(
+        input_files=paths, file_extractor={".pdf": PageReader()}, filename_as_id=True
+    )
+    return reader.load_data()
 
 
 def make_docx(path: Path) -> Path:

@@ -352,3 +352,39 @@ def test_rejoined_nodes_build_the_leaves_their_essays_build(
     assert any("dance" in hit.node.text.lower() for hit in hits)
     node_ids = {n.node_id for n in nodes}
     assert not any(hit.node.node_id in node_ids for hit in hits)
+
+
+def test_a_pdf_read_page_by_page_is_one_document_whose_passages_cross_pages(
+    embed_model: MiniLMEmbedding, tmp_path: Path
+) -> None:
+    """SimpleDirectoryReader's pages of a real PDF: one document in the tree, leaves and
+    passages run across page breaks, and every hit names the page it starts on."""
+    from input_files import make_pdf, read_pdf_pages_with_llamaindex
+
+    words = " ".join(doc.text for doc in essays()).split()
+    lines = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+    pdf = make_pdf(tmp_path / "essays.pdf", [lines[i : i + 9] for i in range(0, len(lines), 9)])
+    pages = read_pdf_pages_with_llamaindex([pdf])
+    assert len(pages) > 5
+    index = RaptorIndex.from_documents(pages, embed_model=embed_model, random_state=0)
+    assert index.tree.doc_ids == (pages[0].doc_id,)
+    assert index.tree.num_layers > 1
+    joined = "\n".join(page.text for page in pages)
+    breaks = list(itertools.accumulate(len(page.text) + 1 for page in pages[:-1]))
+    crossing = [
+        leaf
+        for leaf in index.tree.leaves
+        if leaf.span is not None and any(leaf.span[0] < b < leaf.span[1] for b in breaks)
+    ]
+    assert len(crossing) >= len(pages) // 2  # most breaks fall inside a sentence
+    for leaf in index.tree.leaves:
+        assert leaf.span is not None
+        page = sum(b <= leaf.span[0] for b in breaks)
+        assert leaf.metadata["page_label"] == str(page + 1)
+        assert joined[leaf.span[0] : leaf.span[1]].strip() == leaf.text.strip()
+    hits = index.as_retriever(max_tokens=400).retrieve("How do honeybees communicate?")
+    assert "dance" in hits[0].node.text.lower()
+    labels = {page.metadata["page_label"] for page in pages}
+    assert all(hit.node.metadata["page_label"] in labels for hit in hits)
+    # Each page is still a document of the index.
+    assert index.ref_doc_ids == tuple(page.doc_id for page in pages)

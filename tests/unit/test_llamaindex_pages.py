@@ -1,9 +1,8 @@
-"""RaptorIndex over a PDF loader's pages: one document in the tree, each leaf keeps its page.
+"""RaptorIndex over a PDF reader's pages: one document in the tree, each leaf keeps its page.
 
-The pages come from real PDFs read by LlamaIndex's ``SimpleDirectoryReader``, with a reader
-that returns what llama-index-readers-file's ``PDFReader`` returns: one ``Document`` per page,
-its ``page_label`` and the file's metadata.  (That package pins an older pypdf and pandas
-than this project's other dependencies, so the reader is written here; it is four lines.)
+The pages come from real PDFs read by LlamaIndex's ``SimpleDirectoryReader``, one
+``Document`` per page as llama-index-readers-file's ``PDFReader`` returns them
+(:func:`input_files.read_pdf_pages_with_llamaindex`).
 """
 
 from __future__ import annotations
@@ -16,15 +15,8 @@ import pytest
 pytest.importorskip("llama_index.core")
 pytest.importorskip("pypdf")
 
-import pypdf
-from input_files import make_pdf
-from llama_index.core import (
-    Document,
-    SimpleDirectoryReader,
-    StorageContext,
-    load_index_from_storage,
-)
-from llama_index.core.readers.base import BaseReader
+from input_files import make_pdf, read_pdf_pages_with_llamaindex
+from llama_index.core import Document, StorageContext, load_index_from_storage
 
 from raptor_core.exceptions import InvalidParameterError, TreeFormatError
 from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer
@@ -39,30 +31,9 @@ PAGES = [
 ]
 
 
-class PageReader(BaseReader):
-    """One document per page, with its label and the file's metadata (as ``PDFReader``)."""
-
-    def load_data(self, file: Path, extra_info: dict[str, Any] | None = None) -> list[Document]:
-        pdf = pypdf.PdfReader(file)
-        return [
-            Document(
-                text=page.extract_text(),
-                metadata={
-                    "page_label": pdf.page_labels[i],
-                    "file_name": file.name,
-                    **(extra_info or {}),
-                },
-            )
-            for i, page in enumerate(pdf.pages)
-        ]
-
-
 def read(directory: Path, name: str = "bees.pdf", pages: list[list[str]] = PAGES) -> list[Document]:
     directory.mkdir(parents=True, exist_ok=True)
-    path = make_pdf(directory / name, pages)
-    return SimpleDirectoryReader(
-        input_files=[path], file_extractor={".pdf": PageReader()}, filename_as_id=True
-    ).load_data()
+    return read_pdf_pages_with_llamaindex([make_pdf(directory / name, pages)])
 
 
 def options(**extra: Any) -> dict[str, Any]:
