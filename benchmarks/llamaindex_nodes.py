@@ -35,16 +35,24 @@ class NodesAsLeaves:
     rejoin = False
 
     def __init__(self, corpus: Any) -> None:
-        documents = [Document(text=d.text, id_=d.doc_id) for d in corpus.documents]
-        nodes = SentenceSplitter().get_nodes_from_documents(documents)
         self.index = RaptorIndex(
-            nodes,
+            self.items(corpus),
             embed_model=corpus.embedder,
             tokenizer=corpus.tokenizer,
             random_state=corpus.random_state,
-            rejoin_nodes=self.rejoin,
+            **self.options(),
         )
         self._retrievers: dict[int, Any] = {}
+
+    @staticmethod
+    def items(corpus: Any) -> list[Any]:
+        """What the index is built from: each document's ``SentenceSplitter()`` nodes."""
+        documents = [Document(text=d.text, id_=d.doc_id) for d in corpus.documents]
+        return SentenceSplitter().get_nodes_from_documents(documents)
+
+    def options(self) -> dict[str, Any]:
+        """``RaptorIndex`` options that differ between the retrievers."""
+        return {"rejoin_nodes": self.rejoin}
 
     def retrieve(self, question: str, *, max_tokens: int) -> list[str]:
         """Passage texts, best first, within ``max_tokens``."""

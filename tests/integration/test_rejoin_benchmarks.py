@@ -1,4 +1,5 @@
-"""benchmarks/llamaindex_nodes.py, langchain_splits.py and langchain_pages.py, in quality.py.
+"""benchmarks/llamaindex_nodes.py, llamaindex_pages.py, langchain_splits.py and langchain_pages.py,
+in quality.py.
 
 Joined back together, the splits must score exactly as the whole documents do (the figures
 docs/llamaindex.md and docs/langchain.md cite rest on it); the splits kept apart must run
@@ -87,17 +88,29 @@ def _assert_joined_scores_as_whole(
 
 
 @pytest.mark.slow
-def test_joined_nodes_score_as_the_whole_documents(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("apart", "joined"),
+    [
+        (
+            "nodes-as-leaves=llamaindex_nodes:NodesAsLeaves",
+            "nodes-rejoined=llamaindex_nodes:NodesRejoined",
+        ),
+        (
+            "pages-as-documents=llamaindex_pages:PagesAsDocuments",
+            "pages-joined=llamaindex_pages:PagesJoined",
+        ),
+    ],
+    ids=["nodes", "pages"],
+)
+def test_joined_llamaindex_documents_score_as_the_whole_documents(
+    tmp_path: Path, apart: str, joined: str
+) -> None:
     pytest.importorskip("llama_index.core")
+    pytest.importorskip("langchain_text_splitters")  # langchain_pages cuts the pages
     _write_set(tmp_path / "data")
     out = tmp_path / "out"
-    rows = _summary(
-        tmp_path / "data",
-        out,
-        "passage,nodes-as-leaves=llamaindex_nodes:NodesAsLeaves,"
-        "nodes-rejoined=llamaindex_nodes:NodesRejoined",
-    )
-    _assert_joined_scores_as_whole(rows, apart="nodes-as-leaves", joined="nodes-rejoined")
+    rows = _summary(tmp_path / "data", out, f"passage,{apart},{joined}")
+    _assert_joined_scores_as_whole(rows, apart=apart.split("=")[0], joined=joined.split("=")[0])
     # No flat baseline ran: the headline says so instead of naming a baseline "None".
     markdown = (out / "quality.md").read_text()
     assert "No flat baseline ran in this run" in markdown and "(None)" not in markdown
