@@ -409,9 +409,16 @@ def _component_key(component: object) -> Any:
     return [f"{cls.__module__}.{cls.__qualname__}", scalars]
 
 
+#: Bumped when the same documents, components and parameters build another tree (a change
+#: to the method itself), so that trees cached before are built again rather than reused.
+#: 2: GMMClusterer's UMAP start computed with a dense eigensolver.
+_BUILD_REVISION = 2
+
+
 def _build_key(documents: Sequence[Document], builder: Any) -> str:
     payload = {
         "raptor_core": __version__,
+        "build_revision": _BUILD_REVISION,
         "builder": builder.get_params(),
         "embedder": _component_key(builder.embedder),
         "summarizer": _component_key(builder.summarizer),

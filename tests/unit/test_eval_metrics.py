@@ -449,6 +449,17 @@ def test_trees_are_cached_and_reused(tmp_path: Path) -> None:
     assert changed.config["cached"] == 0  # another seed is another build
 
 
+def test_trees_cached_before_a_change_of_method_are_built_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from raptor_core.evaluation import runner
+
+    assert run(tmp_path, retrievers=["collapsed"]).config["cached"] == 0
+    monkeypatch.setattr(runner, "_BUILD_REVISION", runner._BUILD_REVISION + 1)
+    assert run(tmp_path, retrievers=["collapsed"]).config["cached"] == 0
+    assert run(tmp_path, retrievers=["collapsed"]).config["cached"] == 2
+
+
 def test_tree_over_all_documents() -> None:
     result = run(tree_per="all", retrievers=["dense", RetrieverSpec("oracle", Oracle)])
     assert result.config["trees"] == 1
