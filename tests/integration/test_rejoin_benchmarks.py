@@ -89,24 +89,38 @@ def _assert_joined_scores_as_whole(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("apart", "joined"),
+    ("apart", "joined", "needs"),
     [
         (
             "nodes-as-leaves=llamaindex_nodes:NodesAsLeaves",
             "nodes-rejoined=llamaindex_nodes:NodesRejoined",
+            ("llama_index.core",),
         ),
         (
-            "pages-as-documents=llamaindex_pages:PagesAsDocuments",
-            "pages-joined=llamaindex_pages:PagesJoined",
+            # langchain_pages cuts the pages.
+            "li-pages-as-documents=llamaindex_pages:PagesAsDocuments",
+            "li-pages-joined=llamaindex_pages:PagesJoined",
+            ("llama_index.core", "langchain_text_splitters"),
+        ),
+        (
+            "splits-as-documents=langchain_splits:SplitsAsDocuments",
+            "splits-rejoined=langchain_splits:SplitsRejoined",
+            ("langchain_text_splitters",),
+        ),
+        (
+            # langchain_pages builds on langchain_splits.
+            "pages-as-documents=langchain_pages:PagesAsDocuments",
+            "pages-joined=langchain_pages:PagesJoined",
+            ("langchain_text_splitters",),
         ),
     ],
-    ids=["nodes", "pages"],
+    ids=["llamaindex-nodes", "llamaindex-pages", "langchain-splits", "langchain-pages"],
 )
-def test_joined_llamaindex_documents_score_as_the_whole_documents(
-    tmp_path: Path, apart: str, joined: str
+def test_joined_documents_score_as_the_whole_documents(
+    tmp_path: Path, apart: str, joined: str, needs: tuple[str, ...]
 ) -> None:
-    pytest.importorskip("llama_index.core")
-    pytest.importorskip("langchain_text_splitters")  # langchain_pages cuts the pages
+    for module in needs:
+        pytest.importorskip(module)
     _write_set(tmp_path / "data")
     out = tmp_path / "out"
     rows = _summary(tmp_path / "data", out, f"passage,{apart},{joined}")
@@ -114,27 +128,3 @@ def test_joined_llamaindex_documents_score_as_the_whole_documents(
     # No flat baseline ran: the headline says so instead of naming a baseline "None".
     markdown = (out / "quality.md").read_text()
     assert "No flat baseline ran in this run" in markdown and "(None)" not in markdown
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("apart", "joined"),
-    [
-        (
-            "splits-as-documents=langchain_splits:SplitsAsDocuments",
-            "splits-rejoined=langchain_splits:SplitsRejoined",
-        ),
-        (
-            "pages-as-documents=langchain_pages:PagesAsDocuments",
-            "pages-joined=langchain_pages:PagesJoined",
-        ),
-    ],
-    ids=["splits", "pages"],
-)
-def test_joined_langchain_documents_score_as_the_whole_documents(
-    tmp_path: Path, apart: str, joined: str
-) -> None:
-    pytest.importorskip("langchain_text_splitters")  # langchain_splits, which pages build on
-    _write_set(tmp_path / "data")
-    rows = _summary(tmp_path / "data", tmp_path / "out", f"passage,{apart},{joined}")
-    _assert_joined_scores_as_whole(rows, apart=apart.split("=")[0], joined=joined.split("=")[0])
