@@ -1,11 +1,16 @@
-"""Run a script of benchmarks/ as a user would, in a subprocess of this interpreter."""
+"""Run a script of benchmarks/ as a user would, in a process of its own.
+
+The process is forked from the session's warm interpreter (tests/warm_python.py), which has
+torch and the frameworks imported already.
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+from warm_python import warm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,11 +22,7 @@ def run_benchmark(script: str, *args: str, timeout: float) -> subprocess.Complet
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    return subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        check=False,
+    path = ROOT / "benchmarks" / script
+    return warm_python().run(
+        [str(path), *args], script=path, cwd=os.getcwd(), env=env, timeout=timeout
     )

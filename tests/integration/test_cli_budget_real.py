@@ -6,31 +6,16 @@ stops with exit status 1 and the rerun with a higher cap pays for nothing twice.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from openai_server import LOCALHOST, FakeOpenAIServer
+from warm_python import raptor
 
 pytestmark = [pytest.mark.integration, *LOCALHOST, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "tests" / "data" / "corpus"
-
-
-def raptor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    script = Path(sys.executable).parent / "raptor"
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "raptor_core.cli"]
-    return subprocess.run(
-        [*command, *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
-        timeout=300,
-        check=False,
-    )
 
 
 # -- through the local OpenAI-compatible server ------------------------------------------------

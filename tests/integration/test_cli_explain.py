@@ -8,13 +8,11 @@ client.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+import warm_python
 from openai_server import FakeOpenAIServer
 
 from raptor_core.testing import tiny_tree
@@ -23,16 +21,7 @@ pytestmark = pytest.mark.integration
 
 
 def raptor(*args: str) -> subprocess.CompletedProcess[str]:
-    script = Path(sys.executable).parent / "raptor"
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "raptor_core.cli"]
-    return subprocess.run(
-        [*command, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "OPENAI_API_KEY": "sk-test-explain"},
-    )
+    return warm_python.raptor(*args, env={"OPENAI_API_KEY": "sk-test-explain"}, timeout=120)
 
 
 def pick_rockets(prompt: str, max_tokens: int | None) -> str:

@@ -1,7 +1,8 @@
 """``raptor build`` over real PDF, HTML, Markdown, CSV, JSONL and DOCX files, as a user runs it.
 
-Everything goes through the installed ``raptor`` command in a subprocess with the packaged
-embedding model; the tree it saves is then read back to check what was indexed.
+Everything goes through the ``raptor`` command (its console entry point, in a process forked
+from the session's warm interpreter: tests/warm_python.py) with the packaged embedding model,
+or, for the bare-install check, a fresh interpreter; the tree it saves is then read back to check what was indexed.
 """
 
 from __future__ import annotations
@@ -15,24 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from input_files import HTML, make_docx, make_pdf
+from warm_python import raptor
 
 from raptor_core.tree import Tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def raptor(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    script = Path(sys.executable).parent / "raptor"
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "raptor_core.cli"]
-    return subprocess.run(
-        [*command, *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        timeout=300,
-        check=False,
-    )
 
 
 def test_build_reads_every_type_and_reports_skips(tmp_path: Path) -> None:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import warm_python
 
 from raptor_core.build.builder import TreeBuilder
 from raptor_core.retrieval import CollapsedTreeRetriever
@@ -125,15 +124,7 @@ def test_tiny_inputs_build_with_real_clustering(st_embedder) -> None:
 
 # -- CLI through a subprocess, with the real model ----------------------------------------------
 def _raptor(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "raptor_core.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
+    return warm_python.raptor(*args, timeout=600)
 
 
 @pytest.fixture(scope="module")

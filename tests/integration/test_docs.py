@@ -1,6 +1,7 @@
 """Every code block in README.md and docs/ runs, or says why it does not; the site builds.
 
-* ```` ```python ```` blocks run, each on its own, in a fresh interpreter (timeout below).
+* ```` ```python ```` blocks run, each on its own, in a process of their own, forked from an
+  interpreter that has the heavy modules imported (tests/warm_python.py; timeout below).
 * ```` ```bash ```` blocks run when every command in them is a ``raptor ...`` command (cheap
   ones: a ``--dry-run``, a tiny corpus); any other shell block must be marked.
 * A block that cannot run in CI (it needs an API key, a service, your own data, or it is a
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from warm_python import RAPTOR, warm_python
 
 pytestmark = pytest.mark.integration
 
@@ -107,15 +110,44 @@ def run_block(
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")])),
     }
     if block.lang in PYTHON:
-        command = [sys.executable, "-c", block.code]
-    else:
-        raptor = Path(sys.executable).parent / "raptor"
-        # The `raptor` next to this interpreter comes first on PATH.
-        env["PATH"] = f"{raptor.parent}{os.pathsep}{env.get('PATH', '')}"
-        command = ["bash", "-euo", "pipefail", "-c", block.code]
+        return warm_python().run(["-c"], code=block.code, cwd=cwd, env=env, timeout=TIMEOUT)
+    commands = shell_commands(block.code)
+    if all(_plain_raptor(c) for c in commands):
+        return _run_raptor_commands([shlex.split(c, comments=True) for c in commands], cwd, env)
+    raptor = Path(sys.executable).parent / "raptor"
+    # The `raptor` next to this interpreter comes first on PATH.
+    env["PATH"] = f"{raptor.parent}{os.pathsep}{env.get('PATH', '')}"
     return subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False
+        ["bash", "-euo", "pipefail", "-c", block.code],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False,
+    )  # fmt: skip
+
+
+SHELL_SYNTAX = re.compile(r"[|&;<>()$`\\]")
+QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
+def _plain_raptor(command: str) -> bool:
+    """A ``raptor`` command that bash would pass on as it is written: no pipes, redirections,
+    variables or substitutions anywhere, and no glob outside quotes."""
+    return (
+        command.startswith("raptor ")
+        and not SHELL_SYNTAX.search(command)
+        and not re.search(r"[*?\[~]", QUOTED.sub("", command))
     )
+
+
+def _run_raptor_commands(
+    commands: list[list[str]], cwd: Path, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """Run plain ``raptor`` commands in order as ``bash -e`` would: stop at the first failure."""
+    stdout, stderr, status = "", "", 0
+    for argv in commands:
+        proc = warm_python().run(argv, console=RAPTOR, cwd=cwd, env=env, timeout=TIMEOUT)
+        stdout, stderr, status = stdout + proc.stdout, stderr + proc.stderr, proc.returncode
+        if status != 0:
+            break
+    return subprocess.CompletedProcess(["bash", "-c", "..."], status, stdout, stderr)
 
 
 def test_the_extractor_finds_markers_and_indented_blocks(tmp_path: Path) -> None:

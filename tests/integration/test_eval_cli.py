@@ -7,11 +7,11 @@ import os
 import random
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import warm_python
 from openai_server import LOCALHOST, FakeOpenAIServer
 
 pytestmark = [pytest.mark.integration, *LOCALHOST]
@@ -120,13 +120,13 @@ PLUGIN = textwrap.dedent(
 def _raptor(
     args: list[str], *, env: dict[str, str] | None = None, plugins: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """``raptor ARGS`` in a new process, offline; ``plugins``: a folder holding evalplug.py."""
-    full = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    """``raptor ARGS`` in a process of its own, offline; ``plugins``: a folder holding
+    evalplug.py."""
+    full = dict(env or {})
     if plugins is not None:
         full["PYTHONPATH"] = os.pathsep.join([str(plugins), os.environ.get("PYTHONPATH", "")])
         full["EVAL_GOLD"] = str(plugins / "gold.json")
-    cmd = [sys.executable, "-m", "raptor_core.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=full, timeout=300, check=False)
+    return warm_python.raptor(*args, env=full)
 
 
 def test_eval_cli_end_to_end(tmp_path: Path) -> None:

@@ -1,4 +1,8 @@
-"""The numbered examples run as users would run them (offline; 02 against a local server)."""
+"""The numbered examples run as users would run them (offline; 02 against a local server).
+
+Each runs as ``python examples/NN_name.py`` would, in a process forked from the session's warm
+interpreter (tests/warm_python.py), so it does not spend its time importing torch again.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from openai_server import FakeOpenAIServer
+from warm_python import warm_python
 
 pytestmark = pytest.mark.integration
 
@@ -20,10 +25,8 @@ def _run(
     script: str, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     merged = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run(
-        [sys.executable, str(EXAMPLES / script), *args],
-        capture_output=True, text=True, env=merged, timeout=600, check=False, cwd=ROOT,
-    )  # fmt: skip
+    path = EXAMPLES / script
+    return warm_python().run([str(path), *args], script=path, cwd=ROOT, env=merged, timeout=600)
 
 
 def test_every_example_is_tested() -> None:

@@ -9,12 +9,12 @@ because the embedder passes ``trust_remote_code=False`` explicitly.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 
 from raptor_core.backends.sentence_transformers import (
     SentenceTransformerEmbedder,
@@ -30,15 +30,7 @@ QUESTION = "Who walked on the Moon in 1969?"
 
 
 def raptor(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "raptor_core.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        timeout=600,
-        check=False,
-    )
+    return warm_python.raptor(*args, cwd=cwd, timeout=600)
 
 
 @pytest.fixture(scope="module")

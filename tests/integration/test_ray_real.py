@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import warm_python
 
 pytest.importorskip("ray", reason="Ray is not installed: pip install 'raptor-retriever[ray]'")
 pytest.importorskip("ray.data", reason="Ray Data is not installed: pip install 'ray[data]'")
@@ -106,14 +108,17 @@ def ray_address() -> Iterator[str]:
         yield address
     finally:
         # `ray start --block` stops the processes it started when it gets SIGTERM; whatever
-        # is left of its process group (ours alone: start_new_session) is killed after.
+        # is left of its process group (ours alone: start_new_session) is killed after.  Its
+        # graceful stop waits about 30 s for workers a driver left behind; nothing of the
+        # cluster outlives its processes but its temporary directory, removed below.
         head.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
-            head.wait(60)
+            head.wait(5)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGKILL)
         head.wait(10)
         log.close()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +185,7 @@ def test_the_real_model_embeds_the_same_on_the_cluster(
     executor: RayExecutor, multi_topic_text: str, st_embedder: Any
 ) -> None:
     # The packaged all-MiniLM-L6-v2 travels as its allowlisted spec; each actor loads it.
-    # Vectors agree to float rounding.  Whole trees are compared between fresh processes in
+    # Vectors agree to float rounding.  Whole trees are compared between new processes in
     # the command-line test below: a CPU model's last bits depend on the process's history
     # (~1e-7, seen between this pytest process and a fresh one), and UMAP can amplify that.
     docs = [{"doc_id": "topics", "text": multi_topic_text}]
@@ -226,26 +231,12 @@ def test_results_come_back_in_input_order(executor: RayExecutor) -> None:
 
 
 def test_cli_build_with_ray_matches_a_local_build(ray_address: str, tmp_path: Path) -> None:
-    # A fresh process joins the cluster by address, with the cluster's token in its env.
+    # A process of its own joins the cluster by address, with the cluster's token in its env
+    # (forked from the warm interpreter, which has not imported Ray: tests/warm_python.py).
     def build(out: Path, *extra: str) -> dict[str, Any]:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "raptor_core.cli",
-                "build",
-                str(CORPUS),
-                "--out",
-                str(out),
-                "--chunk-tokens",
-                "60",
-                "--quiet",
-                *extra,
-            ],
-            env=_env(),
-            check=True,
-            timeout=600,
-        )
+        args = ["build", str(CORPUS), "--out", str(out), "--chunk-tokens", "60", "--quiet"]
+        proc = warm_python.raptor(*args, *extra, env=_env(), timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads((out / "tree.json").read_text(encoding="utf-8"))
 
     on_ray = build(tmp_path / "ray", "--ray", ray_address)

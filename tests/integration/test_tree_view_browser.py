@@ -12,11 +12,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from warm_python import raptor
 
 from raptor_core.build.builder import TreeBuilder
 from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer
@@ -31,14 +31,6 @@ needs_chromium = pytest.mark.skipif(
     CHROMIUM is None,
     reason="no Chromium on PATH: run scripts/ensure-chromium.sh (apt-get install chromium)",
 )
-
-
-def raptor(*args: str) -> subprocess.CompletedProcess[str]:
-    script = Path(sys.executable).parent / "raptor"
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "raptor_core.cli"]
-    return subprocess.run(
-        [*command, *args], capture_output=True, text=True, timeout=120, check=False
-    )
 
 
 def chromium(url: str, profile: Path, *flags: str) -> subprocess.CompletedProcess[str]:

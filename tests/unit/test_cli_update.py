@@ -6,14 +6,12 @@ no model is loaded and each command runs in a real process in about a second.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
+from warm_python import raptor
 
 from raptor_core.build.builder import TreeBuilder
 from raptor_core.testing import EchoSummarizer, FakeEmbedder, GroupClusterer, check_tree_invariants
@@ -26,21 +24,8 @@ TOPICS = {
 }
 
 
-def raptor_command() -> list[str]:
-    script = Path(sys.executable).parent / "raptor"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "raptor_core.cli"]
-
-
-def run(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*raptor_command(), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        timeout=120,
-        check=False,
-        **kw,
-    )
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return raptor(*args, timeout=120)
 
 
 @pytest.fixture
