@@ -39,12 +39,14 @@ def make_pdf(path: Path, pages: list[list[str]]) -> Path:
     return path
 
 
-def read_pdf_pages_with_llamaindex(paths: list[Path]) -> list[Any]:
+def read_pdf_pages_with_llamaindex(paths: list[Path], *, pymupdf: bool = False) -> list[Any]:
     """LlamaIndex documents of PDFs' pages, as ``SimpleDirectoryReader`` reads a folder of PDFs.
 
     The reader returns what llama-index-readers-file's ``PDFReader`` returns: one ``Document``
-    per page, its ``page_label`` and the file's metadata.  (That package pins an older pypdf
-    and pandas than this project's other dependencies, so the reader is written here.)
+    per page, its ``page_label`` and the file's metadata; with ``pymupdf``, what its
+    ``PyMuPDFReader`` returns: the page number in ``source`` (from "1"), ``total_pages`` and
+    ``file_path``.  (That package pins an older pypdf and pandas than this project's other
+    dependencies, and PyMuPDF is not installed, so the reader is written here.)
     """
     pypdf = pytest.importorskip("pypdf")
     from llama_index.core import Document, SimpleDirectoryReader
@@ -53,17 +55,19 @@ def read_pdf_pages_with_llamaindex(paths: list[Path]) -> list[Any]:
     class PageReader(BaseReader):
         def load_data(self, file: Path, extra_info: dict[str, Any] | None = None) -> list[Any]:
             pdf = pypdf.PdfReader(file)
-            return [
-                Document(
-                    text=page.extract_text(),
-                    metadata={
+            pages = []
+            for i, page in enumerate(pdf.pages):
+                if pymupdf:
+                    numbered = {"total_pages": len(pdf.pages), "file_path": str(file)}
+                    metadata = {**(extra_info or {}), **numbered, "source": f"{i + 1}"}
+                else:
+                    metadata = {
                         "page_label": pdf.page_labels[i],
                         "file_name": file.name,
                         **(extra_info or {}),
-                    },
-                )
-                for i, page in enumerate(pdf.pages)
-            ]
+                    }
+                pages.append(Document(text=page.extract_text(), metadata=metadata))
+            return pages
 
     reader = SimpleDirectoryReader(
         input_files=paths, file_extractor={".pdf": PageReader()}, filename_as_id=True

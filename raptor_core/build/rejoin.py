@@ -197,6 +197,29 @@ def rejoin_splits(
     return out
 
 
+#: LlamaIndex's ``PyMuPDFReader`` numbers its pages in ``source`` (a string, from "1"), next
+#: to ``total_pages`` and ``file_path``: there, and only there, ``source`` is a page key.
+#: Elsewhere ``source`` names the file (LangChain's loaders put the path there), so it never
+#: is one by default.
+_NUMBERED_BY_SOURCE = ("total_pages", "file_path")
+
+
+def _keys_of(doc: Document, keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The page keys of ``doc``: ``keys``, plus ``source`` on a ``PyMuPDFReader`` page."""
+    metadata = doc.metadata
+    source = metadata.get("source")
+    if (
+        "source" not in keys
+        and isinstance(source, str)
+        and source.isascii()
+        and source.isdigit()
+        and all(k in metadata for k in _NUMBERED_BY_SOURCE)
+        and not any(k in metadata for k in keys)
+    ):
+        return (*keys, "source")
+    return keys
+
+
 def _page_number(doc: Document, keys: Sequence[str]) -> tuple[str, int] | None:
     """``(key, number)`` of the first page key holding a page number, else None."""
     for key in keys:
@@ -225,7 +248,9 @@ def join_pages(
     leaf keeps the page it starts on; a blank page (its text only whitespace) is part of the
     run and adds nothing to the text.  A page joined with nothing, and anything that is
     not a page (no page number, a pre-split chunk, a document with segments already), is
-    returned as given.
+    returned as given.  A page of LlamaIndex's ``PyMuPDFReader`` (``source`` a page number
+    such as ``"3"``, beside ``total_pages`` and ``file_path``, and no other page key) is
+    numbered by its ``source``.
 
     Returns:
         One :class:`Rejoined` per resulting document, in order; every given index appears
@@ -243,9 +268,11 @@ def join_pages(
     runs: list[list[int]] = []
     run_rest: dict[str, object] = {}  # the metadata, without page keys, of the last run
     previous: tuple[str, int] | None = None
+    keys_of = [_keys_of(doc, keys) for doc in documents]
     for index, doc in enumerate(documents):
-        number = None if doc.chunk_of is not None or doc.segments else _page_number(doc, keys)
-        rest = {k: v for k, v in doc.metadata.items() if k not in keys}
+        doc_keys = keys_of[index]
+        number = None if doc.chunk_of is not None or doc.segments else _page_number(doc, doc_keys)
+        rest = {k: v for k, v in doc.metadata.items() if k not in doc_keys}
         follows = previous is not None and number == (previous[0], previous[1] + 1)
         if runs and follows and rest and rest == run_rest:
             runs[-1].append(index)
@@ -263,14 +290,14 @@ def join_pages(
         segments, offset = [], 0
         for index in written:
             page = documents[index]
-            page_keys_of = {k: page.metadata[k] for k in keys if k in page.metadata}
+            page_keys_of = {k: page.metadata[k] for k in keys_of[index] if k in page.metadata}
             segments.append(Segment(start=offset, metadata=page_keys_of))
             offset += len(page.text) + len(separator)
         first = documents[run[0]]
         joined = dataclasses.replace(
             first,
             text=separator.join(documents[i].text for i in written),
-            metadata={k: v for k, v in first.metadata.items() if k not in keys},
+            metadata={k: v for k, v in first.metadata.items() if k not in keys_of[run[0]]},
             segments=tuple(segments),
         )
         out.append(Rejoined(document=joined, parts=tuple(run)))

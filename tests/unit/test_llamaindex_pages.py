@@ -105,6 +105,30 @@ def test_two_pdfs_are_two_documents(tmp_path: Path) -> None:
     assert index.tree.doc_ids == (bees[0].doc_id, ants[0].doc_id)
 
 
+def test_pymupdf_reader_pages_numbered_by_source_are_joined(tmp_path: Path) -> None:
+    # PyMuPDFReader puts the page number in "source" ("1", "2", ...), beside total_pages and
+    # file_path: each PDF is one document, and each leaf keeps its page's "source".
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    bees = make_pdf(tmp_path / "a" / "bees.pdf", PAGES)
+    ants = make_pdf(tmp_path / "b" / "ants.pdf", [["Ants farm aphids."], ["Ants march."]])
+    pages = read_pdf_pages_with_llamaindex([bees, ants], pymupdf=True)
+    assert [p.metadata["source"] for p in pages] == ["1", "2", "3", "1", "2"]
+    assert "page_label" not in pages[0].metadata
+    index = RaptorIndex.from_documents(pages, **options())
+    assert index.tree.doc_ids == (pages[0].doc_id, pages[3].doc_id)
+    assert any(crosses_the_break(leaf.text) for leaf in index.tree.leaves)
+    joined = "\n".join(p.text for p in pages[:3])
+    for leaf in index.tree.leaves:
+        assert leaf.span is not None
+        if leaf.doc_id == pages[0].doc_id:
+            assert leaf.metadata["source"] == str(page_of(joined, pages[:3], leaf.span[0]) + 1)
+        assert leaf.metadata["total_pages"] == (3 if leaf.doc_id == pages[0].doc_id else 2)
+    info = index.ref_doc_info
+    assert list(info) == [p.doc_id for p in pages]
+    assert {index.tree.node(n).metadata["source"] for n in info[pages[1].doc_id].node_ids} <= {"2"}
+
+
 def test_a_changed_page_is_joined_again_in_place(tmp_path: Path) -> None:
     pages = read(tmp_path)
     index = RaptorIndex.from_documents(pages, **options())

@@ -198,3 +198,36 @@ def test_a_blank_page_is_part_of_the_run_and_adds_no_text() -> None:
     assert [s.metadata["page"] for s in joined.document.segments] == [0, 2]
     # Blank pages alone are returned as given (an empty document is then refused as ever).
     assert [r.parts for r in join_pages(pages("", " ", source="a.pdf"))] == [(0,), (1,)]
+
+
+def _pages(*metadata: dict[str, object]) -> list[Document]:
+    return [Document(text=f"Page {i}.", doc_id=f"p{i}", metadata=m) for i, m in enumerate(metadata)]
+
+
+def test_pymupdf_reader_pages_are_numbered_by_their_source() -> None:
+    pdf = {"total_pages": 2, "file_path": "/docs/a.pdf"}
+    [joined] = join_pages(_pages({**pdf, "source": "1"}, {**pdf, "source": "2"}))
+    assert joined.parts == (0, 1)
+    assert joined.document.metadata == pdf
+    assert [s.metadata for s in joined.document.segments] == [{"source": "1"}, {"source": "2"}]
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "why"),
+    [
+        # A page key of its own: source is the file's name (LangChain's loaders), which
+        # differs here, so these are pages of two files.
+        ({"source": "1", "page": 0}, {"source": "2", "page": 1}, "a page key of its own"),
+        ({"source": "1", "total_pages": 2}, {"source": "2", "total_pages": 2}, "no file_path"),
+        ({"source": "1"}, {"source": "2"}, "nothing but a source"),
+        (
+            {"source": "a.pdf", "total_pages": 2, "file_path": "a.pdf"},
+            {"source": "b.pdf", "total_pages": 2, "file_path": "a.pdf"},
+            "a source that is no number",
+        ),
+    ],
+)
+def test_source_numbers_pages_only_beside_pymupdf_s_keys(
+    first: dict[str, object], second: dict[str, object], why: str
+) -> None:
+    assert [r.parts for r in join_pages(_pages(first, second))] == [(0,), (1,)], why
