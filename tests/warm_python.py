@@ -76,6 +76,9 @@ class WarmPython:
             [sys.executable, str(HERE)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            # Unbuffered: a buffered readline could take two replies at once, and select()
+            # would then wait for the second, which is already read.
+            bufsize=0,
             env={**(os.environ if env is None else env), **IMPORT_TIME_ENV},
             cwd=str(HERE.parent),
         )
@@ -119,18 +122,36 @@ class WarmPython:
                 "stdout": str(out),
                 "stderr": str(err),
             }
-            self._requests.write((json.dumps(request) + "\n").encode())
-            self._requests.flush()
-            pid = int(self._read_reply(timeout=60)["pid"])
+            pid = None
             try:
+                self._requests.write((json.dumps(request) + "\n").encode())
+                self._requests.flush()
+                pid = int(self._read_reply(timeout=60)["pid"])
                 status = int(self._read_reply(timeout=timeout)["returncode"])
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
+                if pid is None:
+                    self.kill()
+                    raise
+                _kill_group(pid)
                 self._read_reply(timeout=60)  # the server reaps it and reports
                 raise subprocess.TimeoutExpired(list(argv), timeout) from None
+            except BaseException:
+                # Interrupted mid-run (a test's timeout, Ctrl-C): the replies are out of step,
+                # so this server is done; warm_python() starts another.
+                if pid is not None:
+                    _kill_group(pid)
+                self.kill()
+                raise
             read = lambda p: p.read_text(encoding="utf-8", errors="replace")  # noqa: E731
             return subprocess.CompletedProcess(list(argv), status, read(out), read(err))
+
+    @property
+    def alive(self) -> bool:
+        return self._server.poll() is None
+
+    def kill(self) -> None:
+        self._server.kill()
+        self._server.wait()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -151,6 +172,13 @@ class WarmPython:
         return dict(json.loads(line))
 
 
+def _kill_group(pid: int) -> None:
+    # The child makes itself a process group first thing; until then, it is alone.
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
+
+
 _SHARED: WarmPython | None = None
 RAPTOR = "raptor_core.cli:main"  # the `raptor` console script (pyproject.toml)
 
@@ -158,7 +186,7 @@ RAPTOR = "raptor_core.cli:main"  # the `raptor` console script (pyproject.toml)
 def warm_python() -> WarmPython:
     """The test session's warm interpreter, started on first use and stopped at exit."""
     global _SHARED
-    if _SHARED is None:
+    if _SHARED is None or not _SHARED.alive:
         _SHARED = WarmPython()
         atexit.register(_SHARED.close)
     return _SHARED

@@ -127,3 +127,10 @@ def test_the_server_has_what_the_cli_sets_before_its_imports() -> None:
     assert dict(re.findall(r'os\.environ\.setdefault\("(\w+)", "([^"]*)"\)', source)) == (
         IMPORT_TIME_ENV
     )
+
+
+def test_quick_runs_back_to_back_each_get_their_own_reply(tmp_path: Path) -> None:
+    # A run that ends at once may send its two replies before the first is read; each
+    # must still be read as its own (the replies are read unbuffered).
+    for i in range(20):
+        assert run(f"print({i})", tmp_path).stdout == f"{i}\n"
