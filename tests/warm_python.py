@@ -11,16 +11,19 @@ thread pool started, so a fork is as safe as a multiprocessing worker's) and for
 run.  The child takes the run's working directory, environment, ``sys.argv`` and ``sys.path[0]``
 as ``python -c`` / ``python script.py`` / the console script would set them, writes stdout and
 stderr to files of its own, runs in a process group of its own (a timeout kills it and
-everything it started), and exits through the interpreter's normal shutdown (atexit handlers
-and non-daemon threads run, as in a fresh process).
+everything it started), and exits as the interpreter does (non-daemon threads joined, atexit
+handlers run, output flushed), less the teardown of the modules.
 
 What a fork cannot give: environment variables that a module reads when it is imported take
 the server's values for the preloaded modules.  The server starts with the test process's
 environment plus :data:`IMPORT_TIME_ENV`, the variables ``raptor``'s ``main()`` sets before
 anything imports transformers (a fresh ``raptor`` process reads them in time; a fork would
-not).  tests/integration/test_cli_inputs.py still checks a fresh ``raptor`` process's stderr.  Tests that
-check what a fresh process imports or how it starts (tests/unit/test_query_imports.py, the
-``python -m`` checks) keep using ``subprocess`` directly.
+not).  tests/integration/test_cli_inputs.py still checks a fresh ``raptor`` process's
+stderr.  Tests that check what a fresh process imports or how it starts
+(tests/unit/test_query_imports.py, the ``python -m`` checks) keep using ``subprocess``.
+
+``RAPTOR_TESTS_FRESH=1`` runs every one of these in a fresh interpreter instead, as before
+the warm one existed: the check that the fork hides nothing (slow: minutes more).
 """
 
 from __future__ import annotations
@@ -179,13 +182,45 @@ def _kill_group(pid: int) -> None:
             kill(pid, signal.SIGKILL)
 
 
+class FreshPython:
+    """:meth:`WarmPython.run` in a fresh interpreter each time (``RAPTOR_TESTS_FRESH=1``)."""
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        code: str | None = None,
+        script: str | Path | None = None,
+        console: str | None = None,
+        cwd: str | Path,
+        env: Mapping[str, str],
+        timeout: float,
+    ) -> subprocess.CompletedProcess[str]:
+        if code is not None:
+            command = [sys.executable, "-c", code, *argv[1:]]
+        elif script is not None:
+            command = [sys.executable, str(script), *argv[1:]]
+        else:
+            assert console is not None
+            module, _, function = console.partition(":")
+            entry = f"import sys; from {module} import {function}; sys.exit({function}())"
+            command = [sys.executable, "-c", entry, *argv[1:]]
+        proc = subprocess.run(
+            command, cwd=cwd, env=dict(env), capture_output=True, text=True, timeout=timeout,
+            check=False,
+        )  # fmt: skip
+        return subprocess.CompletedProcess(list(argv), proc.returncode, proc.stdout, proc.stderr)
+
+
 _SHARED: WarmPython | None = None
 RAPTOR = "raptor_core.cli:main"  # the `raptor` console script (pyproject.toml)
 
 
-def warm_python() -> WarmPython:
+def warm_python() -> WarmPython | FreshPython:
     """The test session's warm interpreter, started on first use and stopped at exit."""
     global _SHARED
+    if os.environ.get("RAPTOR_TESTS_FRESH") == "1":
+        return FreshPython()
     if _SHARED is None or not _SHARED.alive:
         _SHARED = WarmPython()
         atexit.register(_SHARED.close)

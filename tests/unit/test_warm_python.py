@@ -15,10 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
-from warm_python import IMPORT_TIME_ENV, RAPTOR, raptor, warm_python
+from warm_python import IMPORT_TIME_ENV, RAPTOR, WarmPython, raptor, warm_python
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("RAPTOR_TESTS_FRESH") == "1", reason="RAPTOR_TESTS_FRESH=1: no warm server"
+)
 
 
 def run(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    assert isinstance(warm_python(), WarmPython)
     return warm_python().run(
         ["-c", "x"], code=code, cwd=tmp_path, env={**os.environ, **env}, timeout=60
     )
