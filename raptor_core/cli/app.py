@@ -130,6 +130,28 @@ def _one_line_warnings(command: str) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def _no_model_loading_bars() -> Iterator[None]:
+    """Turn transformers' own progress bars off for the command, however it was imported.
+
+    ``HF_HUB_DISABLE_PROGRESS_BARS`` (set in :func:`main`) is read when transformers is
+    imported.  In a process that imported it before calling ``main()`` (a script, a
+    notebook) the variable comes too late, and every model load would draw a "Loading
+    weights" bar on stderr.  The setting is put back afterwards.
+    """
+    bars = sys.modules.get("transformers.utils.logging")
+    quiet = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").strip().lower()
+    enabled = getattr(bars, "is_progress_bar_enabled", None)
+    if quiet not in {"1", "true", "yes", "on"} or not callable(enabled) or not enabled():
+        yield
+        return
+    bars.disable_progress_bar()  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        bars.enable_progress_bar()  # type: ignore[union-attr]
+
+
 def _run(args: argparse.Namespace, command: str) -> int:
     """Run the command; map user mistakes and environment faults to one line and a status."""
     try:
@@ -194,5 +216,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             _silence_stdout()
         raise
     command = f"raptor {args.command}"
-    with _one_line_warnings(command):
+    with _one_line_warnings(command), _no_model_loading_bars():
         return _run(args, command)

@@ -118,6 +118,32 @@ def test_quickstart_on_a_bare_install_prints_nothing_on_stderr(tmp_path: Path) -
     assert proc.stderr == ""
 
 
+# main() called by a script that imported transformers first (the variable that silences its
+# bars is read at import, so main() setting it comes too late).
+AFTER_TRANSFORMERS = """
+import sys
+from transformers.utils import logging
+assert logging.is_progress_bar_enabled()
+from raptor_core.cli import main
+status = main(sys.argv[1:])
+print(status, logging.is_progress_bar_enabled())
+"""
+
+
+def test_main_draws_no_model_loading_bar_after_transformers_was_imported(tmp_path: Path) -> None:
+    doc = Path(__file__).resolve().parents[1] / "data" / "multi_topic.md"
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    build = ["build", str(doc), "--out", str(tmp_path / "tree"), "--max-layers", "0", "--quiet"]
+    proc = subprocess.run(
+        [sys.executable, "-c", AFTER_TRANSFORMERS, *build],
+        capture_output=True, text=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=300,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # no "Loading weights" bar
+    assert proc.stdout == "0 True\n"  # built, and the caller's setting is back
+
+
 def test_no_section_context_embeds_leaves_by_their_text_alone(tmp_path: Path) -> None:
     body = " ".join(
         f"Sentence {i} says something about the colony and its queen." for i in range(30)
