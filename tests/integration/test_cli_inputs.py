@@ -1,8 +1,9 @@
 """``raptor build`` over real PDF, HTML, Markdown, CSV, JSONL and DOCX files, as a user runs it.
 
-Everything goes through the ``raptor`` command (its console entry point, in a process forked
-from the session's warm interpreter: tests/warm_python.py) with the packaged embedding model,
-or, for the bare-install check, a fresh interpreter; the tree it saves is then read back to check what was indexed.
+Everything goes through the ``raptor`` command with the packaged embedding model: its console
+entry point, in a process forked from the session's warm interpreter (tests/warm_python.py),
+or a fresh interpreter where the test is about one.  The tree it saves is then read back to
+check what was indexed.
 """
 
 from __future__ import annotations

@@ -200,13 +200,14 @@ def test_a_blank_page_is_part_of_the_run_and_adds_no_text() -> None:
     assert [r.parts for r in join_pages(pages("", " ", source="a.pdf"))] == [(0,), (1,)]
 
 
-def _pages(*metadata: dict[str, object]) -> list[Document]:
+def pages_with(*metadata: dict[str, object]) -> list[Document]:
+    """One page per metadata, as given (``pages`` above adds ``page`` and ``page_label``)."""
     return [Document(text=f"Page {i}.", doc_id=f"p{i}", metadata=m) for i, m in enumerate(metadata)]
 
 
 def test_pymupdf_reader_pages_are_numbered_by_their_source() -> None:
     pdf = {"total_pages": 2, "file_path": "/docs/a.pdf"}
-    [joined] = join_pages(_pages({**pdf, "source": "1"}, {**pdf, "source": "2"}))
+    [joined] = join_pages(pages_with({**pdf, "source": "1"}, {**pdf, "source": "2"}))
     assert joined.parts == (0, 1)
     assert joined.document.metadata == pdf
     assert [s.metadata for s in joined.document.segments] == [{"source": "1"}, {"source": "2"}]
@@ -230,4 +231,4 @@ def test_pymupdf_reader_pages_are_numbered_by_their_source() -> None:
 def test_source_numbers_pages_only_beside_pymupdf_s_keys(
     first: dict[str, object], second: dict[str, object], why: str
 ) -> None:
-    assert [r.parts for r in join_pages(_pages(first, second))] == [(0,), (1,)], why
+    assert [r.parts for r in join_pages(pages_with(first, second))] == [(0,), (1,)], why

@@ -52,28 +52,31 @@ def test_an_exception_fails_with_its_traceback(tmp_path: Path) -> None:
     assert run("import sys; sys.exit('bad input')", tmp_path).returncode == 1
 
 
-def test_classes_of_the_code_resolve_their_annotations(tmp_path: Path) -> None:
-    # dataclasses and pydantic look the module up in sys.modules["__main__"].
-    proc = run(
-        "from __future__ import annotations\n"
-        "import typing\nfrom dataclasses import dataclass\n"
-        "@dataclass\nclass A:\n    x: int\n"
-        "print(typing.get_type_hints(A))\n",
-        tmp_path,
-    )
+@pytest.mark.parametrize(
+    ("code", "stdout"),
+    [
+        pytest.param(
+            # dataclasses and pydantic look the module up in sys.modules["__main__"].
+            "from __future__ import annotations\n"
+            "import typing\nfrom dataclasses import dataclass\n"
+            "@dataclass\nclass A:\n    x: int\n"
+            "print(typing.get_type_hints(A))\n",
+            "{'x': <class 'int'>}\n",
+            id="classes-of-the-code-resolve-their-annotations",
+        ),
+        pytest.param(
+            "import atexit, threading, time\n"
+            "atexit.register(print, 'atexit ran')\n"
+            "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start()\n",
+            "thread done\natexit ran\n",
+            id="threads-and-atexit-finish-before-the-exit",
+        ),
+    ],
+)
+def test_code_runs_as_in_a_fresh_interpreter(code: str, stdout: str, tmp_path: Path) -> None:
+    proc = run(code, tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "{'x': <class 'int'>}\n"
-
-
-def test_threads_and_atexit_finish_before_the_exit(tmp_path: Path) -> None:
-    proc = run(
-        "import atexit, threading, time\n"
-        "atexit.register(print, 'atexit ran')\n"
-        "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start()\n",
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "thread done\natexit ran\n"
+    assert proc.stdout == stdout
 
 
 def test_a_run_past_its_timeout_is_killed_with_what_it_started(tmp_path: Path) -> None:
