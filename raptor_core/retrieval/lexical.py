@@ -17,6 +17,7 @@ English function words, with a light plural/inflection fold (see :func:`lexical_
 from __future__ import annotations
 
 import re
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -184,6 +185,23 @@ def lexical_tokens(text: str) -> list[str]:
     return [_fold(w) for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
 
 
+class _TermIds(dict[str, int]):
+    """Word -> its term id in ``vocabulary`` (-1: a stop word), computed on first sight."""
+
+    def __init__(self, vocabulary: dict[str, int]) -> None:
+        super().__init__()
+        self.vocabulary = vocabulary
+
+    def __missing__(self, word: str) -> int:
+        term = (
+            -1
+            if word in STOPWORDS
+            else self.vocabulary.setdefault(_fold(word), len(self.vocabulary))
+        )
+        self[word] = term
+        return term
+
+
 class BM25Index:
     """Okapi BM25 scores of a fixed list of texts.
 
@@ -205,24 +223,30 @@ class BM25Index:
         self.k1 = k1
         self.b = b
         self.vocabulary: dict[str, int] = {}
-        rows: list[int] = []
-        cols: list[int] = []
+        # The tokens of every text, as term ids (-1: a stop word), in one flat array.  Each
+        # distinct word is folded and looked up once (a store of a million leaves holds tens
+        # of millions of words but a few hundred thousand distinct ones); the rest is a
+        # dictionary lookup in C.  Same terms, in the same order, as lexical_tokens.
+        term_ids = _TermIds(self.vocabulary)
+        cols = array("q")
+        per_text = np.zeros(len(texts), dtype=np.int64)
         for i, text in enumerate(texts):
-            for term in lexical_tokens(text):
-                rows.append(i)
-                cols.append(self.vocabulary.setdefault(term, len(self.vocabulary)))
+            words = _WORD.findall(text.lower())
+            per_text[i] = len(words)
+            cols.extend(map(term_ids.__getitem__, words))
         n = len(texts)
         n_terms = len(self.vocabulary)
+        all_cols = np.frombuffer(cols, dtype=np.int64) if cols else np.zeros(0, dtype=np.int64)
+        kept = all_cols >= 0
+        cols_of = all_cols[kept]
+        rows_of = np.repeat(np.arange(n, dtype=np.int64), per_text)[kept]
         # A compressed sparse column layout by hand (numpy only: scipy.sparse costs a query
         # process a few hundred milliseconds to import).  One entry per (term, text) pair,
         # sorted by term, then text; its count is the term frequency.
-        pairs, tf_counts = np.unique(
-            np.asarray(cols, dtype=np.int64) * max(n, 1) + np.asarray(rows, dtype=np.int64),
-            return_counts=True,
-        )
+        pairs, tf_counts = np.unique(cols_of * max(n, 1) + rows_of, return_counts=True)
         text_of = pairs % max(n, 1)
         term_of = pairs // max(n, 1)
-        lengths = np.bincount(np.asarray(rows, dtype=np.int64), minlength=n).astype(np.float64)
+        lengths = np.bincount(rows_of, minlength=n).astype(np.float64)
         avgdl = float(lengths.mean()) if n and lengths.mean() > 0 else 1.0
         df = np.bincount(term_of, minlength=n_terms).astype(np.float64)
         self.idf: NDArray[np.float64] = np.log1p((n - df + 0.5) / (df + 0.5))

@@ -257,6 +257,8 @@ def _int(meta: Mapping[str, Any], key: str) -> int:
 
 def _ids(meta: Mapping[str, Any], key: str) -> tuple[str, ...]:
     raw = meta.get(key)
+    if raw == "[]":  # every leaf's children: skip the parser (a store is read whole at times)
+        return ()
     value = json.loads(raw) if isinstance(raw, str) else raw
     if value is None:
         return ()

@@ -45,3 +45,18 @@ def test_store_benchmark_runs_at_a_toy_size(tmp_path: Path) -> None:
     assert "latency" not in size["stores"]["file-json-only"]
     markdown = (tmp_path / "stores.md").read_text()
     assert "| memory |" in markdown and "| file-mmap |" in markdown
+
+
+@pytest.mark.slow
+def test_first_query_benchmark_runs_at_a_toy_size(tmp_path: Path) -> None:
+    pytest.importorskip("langchain_chroma")
+    proc = run_benchmark(
+        "first_query.py", "--sizes", "400", "--runs", "1", "--keep", str(tmp_path), timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    for label in ("read every record", "decode into nodes", "build BM25", "first passage query"):
+        assert any(label in line for line in lines), proc.stdout
+    assert any("(baseline)" in line and line.endswith("1.00x") for line in lines), proc.stdout
+    returned = [line for line in lines if "the first query returned" in line]
+    assert returned and "returned 0 " not in returned[0], proc.stdout

@@ -246,6 +246,25 @@ def test_bm25_matches_the_formula() -> None:
         assert index.scores(query).tolist() == pytest.approx(brute_bm25(texts, query), rel=1e-5)
 
 
+def test_bm25_terms_are_lexical_tokens_whatever_the_text() -> None:
+    """The index folds each distinct word once: terms, order and scores stay lexical_tokens'."""
+    texts = [
+        "Studies of bees: a study, the bee_hive and THE Bees' queens.",
+        "",
+        "the of and",  # stop words only: a text of length 0
+        "Café cafés CAFÉ naïve Ünïcode 42 4_2 x",
+        "bus buses glass glasses studies study",
+    ]
+    index = BM25Index(texts)
+    expected: dict[str, int] = {}
+    for text in texts:
+        for term in lexical_tokens(text):
+            expected.setdefault(term, len(expected))
+    assert index.vocabulary == expected
+    for query in ["studies bee", "café naive", "glass bus 42", "hive queen the", "x 2"]:
+        assert index.scores(query).tolist() == pytest.approx(brute_bm25(texts, query), rel=1e-5)
+
+
 def test_bm25_tokens_and_edge_cases() -> None:
     assert lexical_tokens("The Bees of the hive, and 3 queens!") == ["bee", "hive", "3", "queen"]
     assert lexical_tokens("Glass boss bus") == ["glass", "boss", "bus"]  # no over-folding
