@@ -43,6 +43,7 @@ bench: install-dev
 	$(BIN)/python benchmarks/query_load.py
 	$(BIN)/python benchmarks/cold_start.py
 	$(BIN)/python benchmarks/stores.py
+	$(BIN)/python benchmarks/first_query.py
 	$(BIN)/python benchmarks/cluster_threads.py
 	$(BIN)/python benchmarks/vs_baselines.py
 	$(BIN)/python benchmarks/quality.py

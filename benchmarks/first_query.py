@@ -153,7 +153,15 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, Path(args.work))))
         return
-    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="first-query-"))
+    if args.keep:
+        run(args, Path(args.keep))
+    else:
+        with tempfile.TemporaryDirectory(prefix="first-query-") as scratch:
+            run(args, Path(scratch))
+
+
+def run(args: argparse.Namespace, root: Path) -> None:
+    """Every size: write the collection (unless kept from before), then time the steps."""
     for n in args.sizes:
         work = root / str(n)
         work.mkdir(parents=True, exist_ok=True)
