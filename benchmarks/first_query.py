@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -160,8 +161,26 @@ def main() -> None:
             run(args, Path(scratch))
 
 
-def run(args: argparse.Namespace, root: Path) -> None:
-    """Every size: write the collection (unless kept from before), then time the steps."""
+def in_fresh_process(step: str, work: Path) -> dict[str, float]:
+    """:func:`child` in a new interpreter (a cold start)."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", step, "--work", str(work)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run(
+    args: argparse.Namespace,
+    root: Path,
+    step_runner: Callable[[str, Path], dict[str, float]] = in_fresh_process,
+) -> None:
+    """Every size: write the collection (unless kept from before), then time the steps.
+
+    ``step_runner``: how a step runs (tests pass :func:`child`, this process).
+    """
     for n in args.sizes:
         work = root / str(n)
         work.mkdir(parents=True, exist_ok=True)
@@ -171,13 +190,7 @@ def run(args: argparse.Namespace, root: Path) -> None:
         hits = 0
         for _ in range(args.runs):
             for step in STEPS:
-                out = subprocess.run(
-                    [sys.executable, __file__, "--child", step, "--work", str(work)],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                ).stdout
-                result = json.loads(out.strip().splitlines()[-1])
+                result = step_runner(step, work)
                 times[step].append(result["seconds"])
                 if "second" in result:
                     times["second"].append(result["second"])
