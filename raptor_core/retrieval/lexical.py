@@ -175,6 +175,16 @@ def _fold(word: str) -> str:
     return word
 
 
+def _words(text: str) -> list[str]:
+    """The lower-cased words of ``text``, stop words included."""
+    return _WORD.findall(text.lower())
+
+
+def _term(word: str) -> str | None:
+    """The BM25 term of a lower-cased word (None: a stop word)."""
+    return None if word in STOPWORDS else _fold(word)
+
+
 def lexical_tokens(text: str) -> list[str]:
     """The BM25 terms of ``text``: lower-cased words, stop words dropped, plurals folded.
 
@@ -182,7 +192,7 @@ def lexical_tokens(text: str) -> list[str]:
         >>> lexical_tokens("The Bees of the hive, and 3 queens!")
         ['bee', 'hive', '3', 'queen']
     """
-    return [_fold(w) for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
+    return [term for term in map(_term, _words(text)) if term is not None]
 
 
 class _TermIds(dict[str, int]):
@@ -193,13 +203,10 @@ class _TermIds(dict[str, int]):
         self.vocabulary = vocabulary
 
     def __missing__(self, word: str) -> int:
-        term = (
-            -1
-            if word in STOPWORDS
-            else self.vocabulary.setdefault(_fold(word), len(self.vocabulary))
-        )
-        self[word] = term
-        return term
+        term = _term(word)
+        term_id = -1 if term is None else self.vocabulary.setdefault(term, len(self.vocabulary))
+        self[word] = term_id
+        return term_id
 
 
 class BM25Index:
@@ -227,16 +234,16 @@ class BM25Index:
         # distinct word is folded and looked up once (a store of a million leaves holds tens
         # of millions of words but a few hundred thousand distinct ones); the rest is a
         # dictionary lookup in C.  Same terms, in the same order, as lexical_tokens.
+        n = len(texts)
         term_ids = _TermIds(self.vocabulary)
         cols = array("q")
-        per_text = np.zeros(len(texts), dtype=np.int64)
+        per_text = np.zeros(n, dtype=np.int64)
         for i, text in enumerate(texts):
-            words = _WORD.findall(text.lower())
+            words = _words(text)
             per_text[i] = len(words)
             cols.extend(map(term_ids.__getitem__, words))
-        n = len(texts)
         n_terms = len(self.vocabulary)
-        all_cols = np.frombuffer(cols, dtype=np.int64) if cols else np.zeros(0, dtype=np.int64)
+        all_cols = np.frombuffer(cols, dtype=np.int64)
         kept = all_cols >= 0
         cols_of = all_cols[kept]
         rows_of = np.repeat(np.arange(n, dtype=np.int64), per_text)[kept]

@@ -76,14 +76,14 @@ def test_first_query_benchmark_runs_at_a_toy_size(
     assert spec is not None and spec.loader is not None
     first_query = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(first_query)
-    steps: list[str] = []
+    results: dict[str, dict[str, float]] = {}
 
     def in_this_process(step: str, work: Path) -> dict[str, float]:
-        steps.append(step)
-        return first_query.child(step, work)
+        results[step] = first_query.child(step, work)
+        return results[step]
 
     first_query.run(argparse.Namespace(sizes=[400], runs=1), tmp_path, in_this_process)
-    assert steps == ["read", "scan", "bm25", "first"]
+    assert list(results) == ["read", "scan", "bm25", "first"]
     lines = capsys.readouterr().out.splitlines()
     for label in ("read every record", "decode into nodes", "build BM25", "first passage query"):
         assert any(label in line for line in lines), lines
@@ -91,6 +91,5 @@ def test_first_query_benchmark_runs_at_a_toy_size(
     returned = [line for line in lines if "the first query returned" in line]
     assert returned and "returned 0 " not in returned[0], lines
     # What the steps read: every node written, the leaves for BM25, passages found.
-    work = tmp_path / "400"
-    assert first_query.child("scan", work)["nodes"] == len(first_query.make_tree(400))
-    assert 0 < first_query.child("bm25", work)["texts"] < first_query.child("scan", work)["nodes"]
+    assert results["scan"]["nodes"] == len(first_query.make_tree(400))
+    assert 0 < results["bm25"]["texts"] < results["scan"]["nodes"]
