@@ -305,8 +305,10 @@ def _read_meta(directory: Path) -> dict[str, Any]:
         raise EmbeddingError(msg)
     try:
         raw = json.loads((directory / _META).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        msg = f"cannot read {directory / _META}: {exc}; {fix}"
+    except (OSError, ValueError, RecursionError) as exc:
+        # ValueError covers undecodable bytes, bad JSON and integers past Python's digit
+        # limit; RecursionError, nesting deeper than the parser's stack.
+        msg = f"cannot read {directory / _META}: {type(exc).__name__}: {exc}; {fix}"
         raise EmbeddingError(msg) from exc
     if not isinstance(raw, dict) or raw.get("format") != ONNX_FORMAT:
         msg = f"{directory / _META} is not format {ONNX_FORMAT}: {fix}"

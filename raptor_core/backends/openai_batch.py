@@ -440,7 +440,7 @@ class OpenAIBatchSummarizer(OpenAISummarizer):
                 continue
             try:
                 item = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue  # a broken line: its request goes through the fallback
             index = self._index(item, n)
             response = item.get("response") if isinstance(item, dict) else None

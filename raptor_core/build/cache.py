@@ -652,7 +652,9 @@ class BuildCache:
         value, digest = row
         record: object = None
         if isinstance(value, str) and digest == _digest("job", key, value.encode("utf-8")):
-            with contextlib.suppress(ValueError):
+            # A record that passes its (unkeyed) digest may still be hostile: nesting deeper
+            # than the parser's stack, or an integer past Python's digit limit.
+            with contextlib.suppress(ValueError, RecursionError):
                 record = json.loads(value)
         if not isinstance(record, dict):
             logger.warning(

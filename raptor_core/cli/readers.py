@@ -304,8 +304,8 @@ def _read_jsonl(path: Path, text_field: str) -> list[Document]:
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            msg = f"{source}:{lineno} is not valid JSON: {exc}"
+        except (ValueError, RecursionError) as exc:  # bad JSON, too deep, too many digits
+            msg = f"{source}:{lineno} is not valid JSON: {type(exc).__name__}: {exc}"
             raise InvalidInputError(msg) from exc
         if not isinstance(record, dict):
             msg = f"{source}:{lineno} needs a JSON object with a string {text_field!r} field"

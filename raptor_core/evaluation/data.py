@@ -76,8 +76,8 @@ def _records(path: str | os.PathLike[str]) -> Iterator[tuple[str, dict[str, Any]
             where = f"{file}:{lineno}"
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                msg = f"{where} is not valid JSON: {exc}"
+            except (ValueError, RecursionError) as exc:  # bad JSON, too deep, too many digits
+                msg = f"{where} is not valid JSON: {type(exc).__name__}: {exc}"
                 raise InvalidInputError(msg) from exc
             if not isinstance(record, dict):
                 msg = f"{where} must be a JSON object, got {type(record).__name__}"

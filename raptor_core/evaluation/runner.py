@@ -454,7 +454,7 @@ def _tree_for(
             ):
                 tree = Tree.load(directory)
                 return tree, float(seconds), True
-        except (OSError, ValueError, TreeFormatError) as exc:
+        except (OSError, ValueError, RecursionError, TreeFormatError) as exc:
             logger.warning("ignoring the cached tree in %s: %s", directory, exc)
     started = time.perf_counter()
     tree = builder.build(list(documents))

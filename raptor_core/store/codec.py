@@ -312,7 +312,7 @@ def node_from_metadata(
             metadata=metadata,
             parents=_ids(meta, "raptor_parents"),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:
         msg = (
             f"record {node_id!r} in the vector store is not a RAPTOR node ({exc}): "
             f"the store must hold only what {written_by} wrote into it"
