@@ -507,11 +507,32 @@ def _check_columns(
     return ptr, parent_rows
 
 
+#: What our writer puts between two node lines of tree.json, and after the last one.
+_NODE_SEPARATOR = len(b",\n")
+_NODES_CLOSING = len(b"\n ]\n}\n")
+
+
 def _check_records(
     path: Path, start: NDArray[np.int64], end: NDArray[np.int64], head: int, size: int
 ) -> None:
-    if start.size and (int(start.min()) < head or np.any(end <= start) or int(end.max()) > size):
-        _bad(path, "a node's byte range lies outside tree.json's nodes")
+    """Each node's byte range must be exactly its line of tree.json, in order.
+
+    Lying inside the nodes is not enough: a range may point at any JSON object there, a
+    node's own metadata included, and the store would then serve a text that Tree.load
+    (and ``raptor inspect``) never shows.  Our writer lays the lines end to end, each
+    followed by a separator, so the ranges must tile the node area exactly.
+    """
+    if start.size == 0:
+        if size != head + _NODES_CLOSING:
+            _bad(path, "tree.json holds nodes that the index does not list")
+        return
+    if (
+        int(start[0]) != head
+        or np.any(end <= start)
+        or np.any(start[1:] != end[:-1] + _NODE_SEPARATOR)
+        or int(end[-1]) + _NODES_CLOSING != size
+    ):
+        _bad(path, "its byte ranges are not tree.json's node lines, one after another")
 
 
 def _no_constant(name: str) -> NoReturn:

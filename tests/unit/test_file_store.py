@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -334,9 +335,58 @@ def test_forged_record_ranges_disagree_with_the_columns(
             columns[name][[0, 1]] = columns[name][[1, 0]]
 
     _forge(path, swap)
-    store = FileNodeStore.open(path, verify=False)
-    with pytest.raises(TreeFormatError, match="disagrees"):
-        store.get([tree.nodes[0].id])
+    # Refused at open: the ranges are no longer tree.json's lines in order (before any
+    # node is read, a swap would be caught only when one of the two nodes was served).
+    with pytest.raises(TreeFormatError, match="node lines, one after another"):
+        FileNodeStore.open(path, verify=False)
+    assert len(tree) > 1
+
+
+@pytest.mark.parametrize(
+    ("name", "position", "delta"),
+    [("rec_start", 0, 1), ("rec_end", 0, -1), ("rec_start", 1, 1), ("rec_end", -1, -1)],
+    ids=["first-start", "first-end", "second-start", "last-end"],
+)
+def test_record_ranges_must_tile_the_node_lines(
+    saved: tuple[Path, Tree], tmp_path: Path, name: str, position: int, delta: int
+) -> None:
+    """A range inside the nodes but not exactly a node's line is refused at open.
+
+    Such a range may point at a JSON object nested in a node's own metadata, and the store
+    would then serve a text that Tree.load never shows.
+    """
+    path = _copy(saved, tmp_path)
+
+    def shift(columns: dict[str, np.ndarray]) -> None:
+        columns[name][position] += delta
+
+    _forge(path, shift)
+    with pytest.raises(TreeFormatError, match="node lines, one after another"):
+        FileNodeStore.open(path, verify=False)
+
+
+def test_a_range_onto_an_object_nested_in_a_line_is_refused(tmp_path: Path) -> None:
+    """The forgery the tiling rule stops: a node served from inside another's metadata."""
+    base = _metadata_tree()
+    first = base.nodes[0]
+    hidden = {**first.to_dict(), "text": "served, never shown", "metadata": {}}
+    tree = Tree(
+        nodes=(dataclasses.replace(first, metadata={"x": hidden}), *base.nodes[1:]),
+        embeddings=base.embeddings,
+        params=base.params,
+    )
+    path = tree.save(tmp_path / "t")
+    raw = (path / "tree.json").read_bytes()
+    needle = json.dumps(hidden, ensure_ascii=False).encode()
+    start = raw.index(needle)
+
+    def point_inside(columns: dict[str, np.ndarray]) -> None:
+        columns["rec_start"][0] = start
+        columns["rec_end"][0] = start + len(needle)
+
+    _forge(path, point_inside)
+    with pytest.raises(TreeFormatError, match="node lines, one after another"):
+        FileNodeStore.open(path, verify=False)
 
 
 def test_index_that_is_a_symlink_or_fifo_is_refused(
