@@ -39,6 +39,7 @@ from raptor_core.exceptions import (
     SummarizationError,
     TreeFormatError,
     TreeLockError,
+    TreeSaveError,
 )
 from raptor_core.retrieval import CollapsedTreeRetriever, Hit, MMRRetriever, TreeRetriever
 from raptor_core.retrieval.hybrid import HybridResult, HybridRetriever, JudgeDecision
@@ -142,6 +143,7 @@ __all__ = [
     "TreeFormatError",
     "TreeLockError",
     "TreeRetriever",
+    "TreeSaveError",
     "TreeTraversalRetriever",
     "TreeUpdate",
     "UpdateReport",

@@ -8,6 +8,7 @@ The hierarchy::
     ├── MissingDependencyError (also ImportError) an optional package is not installed
     ├── TreeFormatError (also ValueError)         a saved tree is truncated, edited or foreign
     ├── TreeLockError (also TimeoutError)         another process kept a tree directory locked too long
+    ├── TreeSaveError (also OSError)              the disk refused a save; the tree saved before is intact
     ├── CacheError                                the build cache is damaged, foreign, newer or locked
     ├── BudgetExceededError                       the next LLM call would take spend past the build's cap
     └── BackendError                              a model or service failed
@@ -47,6 +48,7 @@ __all__ = [
     "SummarizationError",
     "TreeFormatError",
     "TreeLockError",
+    "TreeSaveError",
 ]
 
 
@@ -118,6 +120,18 @@ class BudgetExceededError(RaptorError):
 
 class TreeLockError(RaptorError, TimeoutError):
     """Another process held a tree directory's save lock for longer than the save waits."""
+
+
+class TreeSaveError(RaptorError, OSError):
+    """Writing a tree failed (disk full, permissions): what was saved there before still loads.
+
+    ``errno``, ``strerror`` and ``filename`` are those of the ``OSError`` it wraps.
+    """
+
+    def __str__(self) -> str:
+        # OSError formats itself from errno and strerror when they are set; the message,
+        # which says what is safe and what to do, is ours.
+        return str(self.args[0]) if self.args else super().__str__()
 
 
 class BackendError(RaptorError):

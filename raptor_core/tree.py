@@ -353,6 +353,8 @@ class Tree:
             InvalidParameterError: ``path`` is a file, or a non-empty directory that is not a
                 RAPTOR tree; or the tree holds values that cannot be stored as JSON.
             TreeLockError: another process kept the directory locked for too long.
+            TreeSaveError: the disk refused a write (full, read-only); the tree saved there
+                before, if any, still loads.
         """
         from raptor_core.store._format import write_tree
 

@@ -27,6 +27,7 @@ from raptor_core.exceptions import (
     LLMAuthenticationError,
     RaptorError,
     TreeFormatError,
+    TreeSaveError,
 )
 
 __all__ = ["main", "make_parser"]
@@ -169,6 +170,9 @@ def _run(args: argparse.Namespace, command: str) -> int:
     except _USAGE_ERRORS as exc:
         report(command, exc)
         return EXIT_USAGE
+    except TreeSaveError as exc:  # an OSError too: the same status as the error it wraps
+        report(command, exc)
+        return EXIT_USAGE if exc.errno in _USAGE_ERRNOS else EXIT_FAILURE
     except RaptorError as exc:  # a model, a service or a missing package failed
         report(command, exc)
         return EXIT_FAILURE

@@ -110,7 +110,12 @@ from numpy.lib import format as npy_format
 from numpy.typing import NDArray
 
 from raptor_core._version import __version__
-from raptor_core.exceptions import InvalidParameterError, TreeFormatError, TreeLockError
+from raptor_core.exceptions import (
+    InvalidParameterError,
+    TreeFormatError,
+    TreeLockError,
+    TreeSaveError,
+)
 from raptor_core.tree import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -856,6 +861,7 @@ def write_tree(
         InvalidParameterError: ``path`` is a file or a foreign non-empty directory, or the
             tree holds values that cannot be stored.
         TreeLockError: another save held the directory for more than ``LOCK_TIMEOUT_S``.
+        TreeSaveError: the disk refused a write; the tree saved there before still loads.
     """
     directory = Path(path)
     extras = dict(extra_files or {})
@@ -889,21 +895,39 @@ def write_tree(
     directory.mkdir(parents=True, exist_ok=True)
     with _locked(directory):
         previous = _claim(directory, extras)  # again, now that no other save can interfere
-        _remove_leftovers(directory, extras)
-        matrix_path = directory / matrix_name
-        if not _holds(matrix_path, sha, len(header) + len(data)):
-            _atomic_write(directory, matrix_name, (header, data))
-        for name, content in extras.items():
-            _atomic_write(directory, name, (content,))
-        # The node index names the tree.json it describes (size and head hash), so a reader
-        # that sees the new index beside the old tree.json falls back instead of mixing them.
-        _atomic_write(directory, INDEX_FILE, (index,))
-        _atomic_write(directory, TREE_FILE, (payload,))
-        _fsync_dir(directory)
-        # Only now is the previous matrix unreferenced; a crash before this line keeps it.
-        if previous is not None and previous != matrix_name:
-            (directory / previous).unlink(missing_ok=True)
-        _remove_orphan_matrices(directory, keep=matrix_name)
+        try:
+            _remove_leftovers(directory, extras)
+            matrix_path = directory / matrix_name
+            if not _holds(matrix_path, sha, len(header) + len(data)):
+                _atomic_write(directory, matrix_name, (header, data))
+            for name, content in extras.items():
+                _atomic_write(directory, name, (content,))
+            # The node index names the tree.json it describes (size and head hash), so a
+            # reader that sees the new index beside the old tree.json falls back instead of
+            # mixing them.
+            _atomic_write(directory, INDEX_FILE, (index,))
+            _atomic_write(directory, TREE_FILE, (payload,))
+        except OSError as exc:
+            # Every write goes through a temporary file and os.replace, and tree.json (which
+            # names its matrix) is replaced last: the tree that was there still loads.
+            msg = (
+                f"could not save the tree into {directory}: {exc.strerror or exc}; the tree "
+                "saved there before (if any) is unchanged and still loads; free space or fix "
+                "the permissions, then save again"
+            )
+            error = TreeSaveError(msg)
+            error.errno, error.strerror, error.filename = exc.errno, exc.strerror, exc.filename
+            raise error from exc
+        # The save is done: what follows only tidies up, and a failure must not report it
+        # as failed (the next save removes what is left).
+        try:
+            _fsync_dir(directory)
+            # Only now is the previous matrix unreferenced; a crash before this line keeps it.
+            if previous is not None and previous != matrix_name:
+                (directory / previous).unlink(missing_ok=True)
+            _remove_orphan_matrices(directory, keep=matrix_name)
+        except OSError as exc:
+            logger.warning("saved the tree into %s, but could not tidy up: %s", directory, exc)
     return directory
 
 
@@ -1023,6 +1047,25 @@ def _claim(directory: Path, extras: Mapping[str, bytes]) -> str | None:
         msg = f"cannot save a tree to {directory}: it exists and is not a directory"
         raise InvalidParameterError(msg) from None
     names = {entry.name: entry for entry in entries}
+    # A directory (or anything but a file or a link) where the format keeps a file would
+    # make the save fail halfway, after tree.json was replaced for some of these names.
+    blocking = sorted(
+        name
+        for name, entry in names.items()
+        if (
+            name in (TREE_FILE, INDEX_FILE, LOCK_FILE)
+            or name in extras
+            or _MATRIX_NAME.fullmatch(name) is not None
+        )
+        and not entry.is_file(follow_symlinks=False)
+        and not entry.is_symlink()
+    )
+    if blocking:
+        msg = (
+            f"cannot save a tree to {directory}: {', '.join(map(repr, blocking))} must be a "
+            "file but is not (a directory?); remove it, or save elsewhere"
+        )
+        raise InvalidParameterError(msg)
     if TREE_FILE in names:
         return _our_tree_json(directory)
     foreign = sorted(name for name, entry in names.items() if not _ours(entry, extras))

@@ -77,6 +77,7 @@ EXPECTED_ALL = {
     "TreeFormatError",
     "TreeLockError",
     "TreeRetriever",
+    "TreeSaveError",
     "TreeTraversalRetriever",
     "TreeUpdate",
     "UpdateReport",

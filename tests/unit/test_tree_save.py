@@ -28,7 +28,12 @@ import numpy as np
 import pytest
 from filelock import FileLock
 
-from raptor_core.exceptions import InvalidParameterError, TreeFormatError, TreeLockError
+from raptor_core.exceptions import (
+    InvalidParameterError,
+    TreeFormatError,
+    TreeLockError,
+    TreeSaveError,
+)
 from raptor_core.store import FileNodeStore, TreeIndexWarning, _format
 from raptor_core.testing import random_tree, tiny_tree
 from raptor_core.tree import Node, Tree
@@ -532,3 +537,59 @@ def test_lazy_opens_during_saves_see_a_whole_tree(tmp_path: Path) -> None:
     finally:
         _stop([saver])
     assert saver.exitcode == 0 and opens > 0
+
+
+@pytest.mark.parametrize("owned", ["matrix", "tree.idx", ".raptor.lock", "tree.json"])
+def test_a_directory_in_place_of_a_file_the_save_writes_is_refused_first(
+    tmp_path: Path, owned: str
+) -> None:
+    """Refused before anything is written: the save would otherwise fail halfway."""
+    tiny_tree().save(tmp_path)
+    name = next(p.name for p in tmp_path.glob("*.npy")) if owned == "matrix" else owned
+    (tmp_path / name).unlink()
+    (tmp_path / name).mkdir()
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    with pytest.raises(InvalidParameterError, match=f"{name!r} must be a file"):
+        tiny_tree(dim=16).save(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == files
+
+
+def test_a_refused_write_raises_tree_save_error_and_keeps_the_old_tree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    old = tiny_tree()
+    old.save(tmp_path)
+    write = _format._atomic_write
+
+    def disk_full(directory: Path, name: str, chunks: Any) -> None:
+        if name == "tree.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory / name))
+        write(directory, name, chunks)
+
+    monkeypatch.setattr(_format, "_atomic_write", disk_full)
+    with pytest.raises(TreeSaveError, match="unchanged and still loads") as caught:
+        tiny_tree(dim=16).save(tmp_path)
+    assert isinstance(caught.value, OSError)
+    assert caught.value.errno == errno.ENOSPC
+    loaded = Tree.load(tmp_path)
+    assert loaded.nodes == old.nodes
+    np.testing.assert_array_equal(loaded.embeddings, old.embeddings)
+    monkeypatch.undo()
+    assert Tree.load(tiny_tree(dim=16).save(tmp_path)).dim == 16  # and the next save works
+
+
+def test_a_failure_to_tidy_up_after_the_save_is_only_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tiny_tree().save(tmp_path)
+
+    def refuse(directory: Path, *, keep: str) -> None:
+        raise PermissionError(13, "Permission denied", str(directory))
+
+    monkeypatch.setattr(_format, "_remove_orphan_matrices", refuse)
+    with caplog.at_level(logging.WARNING, logger=_format.__name__):
+        tiny_tree(dim=16).save(tmp_path)
+    assert "could not tidy up" in caplog.text
+    assert Tree.load(tmp_path).dim == 16
