@@ -11,18 +11,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable
 from langchain_core.runnables.config import run_in_executor
 from langchain_core.vectorstores import VectorStore
-from pydantic import Field, InstanceOf, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    Field,
+    InstanceOf,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from raptor_core.build.builder import TreeBuilder
 from raptor_core.build.rejoin import MAX_GAP, join_pages, rejoin_splits, split_start
 from raptor_core.components import check_embedder, embedder_for_tree
-from raptor_core.exceptions import InvalidParameterError
+from raptor_core.exceptions import InvalidParameterError, RaptorError
 from raptor_core.retrieval import Hit, TreeRetriever
 from raptor_core.retrieval.registry import (
     DEFAULT_STRATEGY,
@@ -194,10 +202,51 @@ def _core_embedder(embeddings: Embeddings | Embedder) -> Embedder:
     return embeddings
 
 
+def _check_llm(llm: object) -> None:
+    """Refuse an ``llm`` that is no model, before a build pays for any embedding.
+
+    ``VectorStore.from_texts`` takes ``metadatas`` third, where ``from_texts`` here takes
+    ``llm``: without this check such a call embeds every chunk and only then fails, in the
+    first summary or in the retriever's construction.
+
+    Raises:
+        InvalidParameterError: ``llm`` is neither a LangChain model (a ``Runnable``) nor a
+            raptor_core ``LLM`` (an object with ``complete``).
+    """
+    if llm is None or isinstance(llm, Runnable | LLM):
+        return
+    hint = ""
+    if isinstance(llm, list | tuple) and llm and all(isinstance(m, Mapping) for m in llm):
+        hint = (
+            "; it looks like metadatas, which go by keyword: "
+            "from_texts(texts, embeddings, metadatas=[...])"
+        )
+    msg = (
+        "llm must be a LangChain chat model or LLM (a Runnable) or a raptor_core LLM (an "
+        f"object with complete(prompt)), got {type(llm).__name__} {str(llm)[:60]}{hint}"
+    )
+    raise InvalidParameterError(msg)
+
+
 def _core_llm(llm: Runnable[Any, Any] | LLM) -> LLM:
+    _check_llm(llm)
     if isinstance(llm, Runnable):
         return LangChainLLM(llm)
     return llm
+
+
+def _raptor_cause(exc: ValidationError) -> RaptorError | None:
+    """The error one of our validators raised, when it is all that pydantic reports.
+
+    Pydantic wraps a ``ValueError`` raised in a validator into its ``ValidationError``; the
+    documented error is ours (an ``InvalidParameterError``, a ``ValueError`` too), so it is
+    raised as it was.  A report that also holds pydantic's own findings (``k=0``) stays
+    whole.
+    """
+    causes = [(error.get("ctx") or {}).get("error") for error in exc.errors()]
+    if causes and all(isinstance(cause, RaptorError) for cause in causes):
+        return causes[0]
+    return None
 
 
 def _default_embedder() -> Embedder:
@@ -339,12 +388,28 @@ class RaptorRetriever(BaseRetriever):
     _store_cache: tuple[Any, Any, Any, LangChainNodeStore] | None = PrivateAttr(default=None)
     _tree_builder: TreeBuilder | None = PrivateAttr(default=None)
 
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            # Our validators' InvalidParameterError, as documented, not pydantic's wrapper.
+            cause = _raptor_cause(exc)
+            if cause is None:
+                raise
+            raise cause from None
+
+    @field_validator("llm", mode="before")
+    @classmethod
+    def _a_model(cls, value: Any) -> Any:
+        _check_llm(value)
+        return value
+
     @field_validator("strategy")
     @classmethod
     def _known_strategy(cls, value: str) -> str:
         if value not in STRATEGIES:
             msg = f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {value!r}"
-            raise ValueError(msg)
+            raise InvalidParameterError(msg)
         return value
 
     @field_validator("search_type")
@@ -352,7 +417,7 @@ class RaptorRetriever(BaseRetriever):
     def _known_search_type(cls, value: str) -> str:
         if value not in SEARCH_TYPES:
             msg = f"search_type must be one of {', '.join(map(repr, SEARCH_TYPES))}, got {value!r}"
-            raise ValueError(msg)
+            raise InvalidParameterError(msg)
         return value
 
     @model_validator(mode="after")
@@ -362,7 +427,7 @@ class RaptorRetriever(BaseRetriever):
                 "pass exactly one of tree= (an in-memory raptor_core.Tree) and vectorstore= "
                 "(a LangChain vector store holding a tree)"
             )
-            raise ValueError(msg)
+            raise InvalidParameterError(msg)
         self._plan({})  # search_type, strategy and search_kwargs agree, keys are known
         return self
 
@@ -680,6 +745,8 @@ class RaptorRetriever(BaseRetriever):
         llm: Runnable[Any, Any] | LLM | None,
         build_options: dict[str, Any],
     ) -> TreeBuilder:
+        # Checked even when a summarizer is given: the retriever keeps the llm afterwards.
+        _check_llm(llm)
         embedder = _core_embedder(embeddings) if embeddings is not None else _default_embedder()
         summarizer = build_options.pop("summarizer", None)
         if summarizer is None and llm is not None:
@@ -788,25 +855,24 @@ class RaptorRetriever(BaseRetriever):
 
         Raises:
             InvalidInputError: no documents, or an empty or duplicate one.
-            InvalidParameterError: ``vectorstore`` already holds documents.
+            InvalidParameterError: ``vectorstore`` already holds documents, ``llm`` is no
+                model, or a field (``search_kwargs``, ``strategy``, ...) is invalid: all
+                checked before the build.
             EmbeddingError, SummarizationError, LLMError: a model failed.
         """
-        embeddings = cls._model(embeddings, vectorstore)
-        store = cls._empty_store(vectorstore, embeddings, dialect) if vectorstore else None
-        builder = cls._builder(embeddings, llm, build_options)
-        tree = builder.build(cls._core_documents(documents, rejoin=rejoin_splits))
-        return cls._over(
-            tree,
-            store,
-            builder,
-            embeddings,
-            llm,
+        fields = cls._fields(
             k=k,
             strategy=strategy,
             search_type=search_type,
             max_tokens=max_tokens,
             search_kwargs=search_kwargs,
         )
+        cls._check_fields(llm, fields)
+        embeddings = cls._model(embeddings, vectorstore)
+        store = cls._empty_store(vectorstore, embeddings, dialect) if vectorstore else None
+        builder = cls._builder(embeddings, llm, build_options)
+        tree = builder.build(cls._core_documents(documents, rejoin=rejoin_splits))
+        return cls._over(tree, store, builder, embeddings, llm, **fields)
 
     @classmethod
     async def afrom_documents(
@@ -826,25 +892,43 @@ class RaptorRetriever(BaseRetriever):
         **build_options: Any,
     ) -> RaptorRetriever:
         """Async :meth:`from_documents`: summaries and embeddings use the models' async APIs."""
+        fields = cls._fields(
+            k=k,
+            strategy=strategy,
+            search_type=search_type,
+            max_tokens=max_tokens,
+            search_kwargs=search_kwargs,
+        )
+        cls._check_fields(llm, fields)
         embeddings = cls._model(embeddings, vectorstore)
         store = cls._empty_store(vectorstore, embeddings, dialect) if vectorstore else None
         builder = cls._builder(embeddings, llm, build_options)
         tree = await builder.abuild(cls._core_documents(documents, rejoin=rejoin_splits))
         if store is not None:
             await run_in_executor(None, store.add_tree, tree)
-        return cls._over(
-            tree,
-            store,
-            builder,
-            embeddings,
-            llm,
-            k=k,
-            strategy=strategy,
-            search_type=search_type,
-            max_tokens=max_tokens,
-            search_kwargs=search_kwargs,
-            written=True,
-        )
+        return cls._over(tree, store, builder, embeddings, llm, written=True, **fields)
+
+    @staticmethod
+    def _fields(**fields: Any) -> dict[str, Any]:
+        """The retriever's fields as the ``from_*`` builders pass them."""
+        fields["search_kwargs"] = dict(fields.get("search_kwargs") or {})
+        if fields.get("strategy") is None:
+            fields.pop("strategy", None)  # unset: the field's default for this store
+        return fields
+
+    @classmethod
+    def _check_fields(cls, llm: Any, fields: Mapping[str, Any]) -> None:
+        """Validate the fields before a build pays for embeddings and summaries.
+
+        The retriever is constructed once over an empty tree: the same validators run
+        (strategy, search_type, search_kwargs, k, llm) as on the built one.
+
+        Raises:
+            InvalidParameterError: a field is invalid (pydantic's ValidationError, a
+                ValueError, for a wrong type or range).
+        """
+        empty = Tree(nodes=(), embeddings=np.zeros((0, 0), dtype=np.float32))
+        cls(tree=empty, llm=llm, **fields)
 
     @classmethod
     def _over(
@@ -860,9 +944,6 @@ class RaptorRetriever(BaseRetriever):
     ) -> RaptorRetriever:
         # Query with the very embedder the tree was built with.
         model = embeddings if embeddings is not None else builder.embedder
-        fields["search_kwargs"] = dict(fields.get("search_kwargs") or {})
-        if fields.get("strategy") is None:
-            fields.pop("strategy", None)  # unset: the field's default for this store
         if store is None:
             built = cls(tree=tree, embeddings=model, llm=llm, **fields)
             built._tree_builder = builder

@@ -71,6 +71,7 @@ from raptor_core.exceptions import (
     InvalidParameterError,
     TreeFormatError,
 )
+from raptor_core.store._format import MAX_DIM
 from raptor_core.store.codec import (
     SMALL_LAYER,
     UNFILTERED_SHARE,
@@ -155,6 +156,33 @@ def document_to_node(document: Document) -> Node:
     )
 
 
+# -- the manifest ------------------------------------------------------------------------------
+def _parse_manifest(raw: object) -> Any:
+    """The manifest string read from a store, parsed; None where it is not JSON.
+
+    Store data is untrusted: besides malformed JSON (ValueError, which also covers an
+    integer too long to convert), a string nested thousands of levels deep exhausts the
+    parser's recursion; both are the same damage to the caller.
+    """
+    if not isinstance(raw, str):
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _checked_dim(value: object) -> int | None:
+    """A recorded vector dimension, or None where it is not an integer in ``1..MAX_DIM``.
+
+    JSON allows NaN, floats, ``true`` and integers of any size there; none of them may
+    reach a write (``np.zeros((1, dim))``) or a comparison with a query's dimension.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DIM:
+        return None
+    return value
+
+
 # -- the store ---------------------------------------------------------------------------------
 def _core_embedder(embeddings: Embeddings | Embedder | None) -> Embedder | None:
     if embeddings is None:
@@ -225,6 +253,20 @@ class LangChainNodeStore:
     def __repr__(self) -> str:
         return f"LangChainNodeStore({type(self.vectorstore).__name__}, dialect={self.dialect.name})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A lock cannot be pickled or deep-copied (a retriever over a store is, by LangChain's
+        # serialisers and copy.deepcopy); the texts embedded again are a cache of up to
+        # 15 MB that the copy refills on demand.  What the store itself holds travels with
+        # it: a store that cannot be pickled (Chroma's client) raises its own error.
+        state = dict(self.__dict__)
+        del state["_embedded_lock"], state["_embedded"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._embedded = OrderedDict()
+        self._embedded_lock = threading.Lock()
+
     # -- manifest --------------------------------------------------------------------------------
     @property
     def manifest(self) -> dict[str, Any] | None:
@@ -248,12 +290,12 @@ class LangChainNodeStore:
             if not rows:
                 return None
             raw = (rows[0].document.metadata or {}).get("raptor_manifest")
-        try:
-            manifest = json.loads(raw) if isinstance(raw, str) else None
-        except ValueError:
-            manifest = None
+        manifest = _parse_manifest(raw)
         if not isinstance(manifest, dict) or manifest.get("format") != STORE_FORMAT[0]:
-            msg = f"the {MANIFEST_ID!r} document of the vector store is damaged: {raw!r:.120}"
+            msg = (
+                f"the {MANIFEST_ID!r} document of the vector store is damaged: {raw!r:.120}; "
+                "rebuild the tree into an empty store (collection)"
+            )
             raise TreeFormatError(msg)
         version = manifest.get("format_version")
         if not isinstance(version, int) or version > STORE_FORMAT[1]:
@@ -271,7 +313,13 @@ class LangChainNodeStore:
             page_content="RAPTOR tree manifest (raptor-retriever): how the tree was built.",
             metadata={"raptor_manifest": raw},
         )
-        dim = int(manifest["dim"])
+        dim = _checked_dim(manifest.get("dim"))
+        if dim is None:  # every caller records a checked dimension; never write a damaged one
+            msg = (
+                f"cannot record the {MANIFEST_ID!r} document without the vector dimension: "
+                "store nodes first"
+            )
+            raise InvalidParameterError(msg)
         # Any unit vector: no search returns the manifest (it has no raptor_layer).
         anchor = np.zeros((1, dim), dtype=np.float32)
         anchor[0, 0] = 1.0
@@ -298,9 +346,14 @@ class LangChainNodeStore:
             InvalidParameterError: the dimension is unknown (nothing stored, none given).
         """
         manifest = dict(self.manifest or {})
-        dim = dim if dim is not None else manifest.get("dim") or self.dialect.dim()
-        if not isinstance(dim, int) or dim < 1:
-            msg = "write_manifest needs the vector dimension: store nodes first or pass dim="
+        if dim is None:
+            # A damaged recorded dimension is not one: the store's vectors tell.
+            dim = _checked_dim(manifest.get("dim")) or self.dialect.dim()
+        if _checked_dim(dim) is None:
+            msg = (
+                f"write_manifest needs the vector dimension, an integer in 1..{MAX_DIM} (got "
+                f"{str(dim)[:40]}): store nodes first or pass dim="
+            )
             raise InvalidParameterError(msg)
         manifest.update(
             format=STORE_FORMAT[0],
@@ -334,7 +387,8 @@ class LangChainNodeStore:
     @property
     def complete(self) -> bool:
         """Whether the store holds a whole tree (its manifest was written after its nodes)."""
-        return bool((self.manifest or {}).get("complete"))
+        # Exactly true, as written: a damaged value (NaN, a string) is not a finished build.
+        return (self.manifest or {}).get("complete") is True
 
     @property
     def params(self) -> dict[str, Any]:
@@ -422,11 +476,9 @@ class LangChainNodeStore:
     def dim(self) -> int | None:
         """Vector dimension (None while nothing is stored)."""
         if self._dim is None:
-            recorded = (self.manifest or {}).get("dim")
-            if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0:
-                self._dim = recorded
-            else:  # absent or damaged: the store's vectors tell
-                self._dim = self.dialect.dim()
+            recorded = _checked_dim((self.manifest or {}).get("dim"))
+            # Absent or damaged (NaN, a float, a bool, out of range): the store's vectors tell.
+            self._dim = recorded if recorded is not None else self.dialect.dim()
         return self._dim
 
     @property
@@ -503,12 +555,11 @@ class LangChainNodeStore:
         if self._trusted_sizes() is not None:
             return True
         manifest = self.manifest
-        if (
-            manifest is not None
-            and "layer_sizes" in manifest
-            and isinstance(manifest.get("dim"), int)
-        ):
-            self._write_manifest({k: v for k, v in manifest.items() if k != "layer_sizes"})
+        if manifest is not None and "layer_sizes" in manifest:
+            dim = self.dim  # the recorded one where it is sound, else the store's
+            if dim is not None:
+                kept = {k: v for k, v in manifest.items() if k != "layer_sizes"}
+                self._write_manifest({**kept, "dim": dim})
         return False
 
     def _resize(self, *, added: Sequence[Node], removed: Sequence[Node], dim: int | None) -> None:
@@ -530,7 +581,9 @@ class LangChainNodeStore:
                 params={},
                 complete=False,
             )
-        manifest.setdefault("dim", dim if dim is not None else self.dim)
+        # The recorded dimension where it is sound, else the store's (or this write's).
+        known = self.dim
+        manifest["dim"] = known if known is not None else dim
         self._write_manifest(manifest)
 
     def add_tree(self, tree: Tree, *, batch_size: int = 1000) -> None:
