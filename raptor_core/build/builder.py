@@ -14,7 +14,7 @@ import time
 import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -62,6 +62,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: The largest seed numpy's legacy API and scikit-learn accept.
+_MAX_SEED = 2**32 - 1
+
 #: ``progress(stage, done, total)``; stages: "chunk", "embed", "cluster", "summarize".
 ProgressCallback = Callable[[str, int, int], None]
 
@@ -89,32 +92,38 @@ def describe(component: object) -> dict[str, Any]:
 def to_documents(documents: Iterable[str | Document | Mapping[str, Any]]) -> list[Document]:
     """Normalise strings, :class:`Document` objects and ``{"doc_id", "text", ...}`` mappings.
 
+    A mapping without ``doc_id`` gets ``doc-N`` (N its position), as a string does; a mapping's
+    or a Document's ``metadata`` of None means no metadata.
+
     Raises:
-        InvalidInputError: a document is empty, binary, not text, or a duplicate id.
+        InvalidParameterError: ``documents`` is not a list of documents (a single string,
+            mapping or Document, or not iterable at all).
+        InvalidInputError: a document is empty, binary, not text, or a duplicate id; its id
+            is not a non-empty string, or its metadata is not a JSON-serialisable mapping.
     """
     out: list[Document] = []
     seen: set[str] = set()
-    for i, item in enumerate(documents):
+    for i, item in enumerate(_document_items(documents)):
         if isinstance(item, Document):
             doc = item
+            _check_doc_id(i, doc.doc_id)
+            if not isinstance(doc.metadata, dict):
+                doc = replace(doc, metadata=_metadata(i, doc.doc_id, doc.metadata))
         elif isinstance(item, str):
             doc = Document(text=item, doc_id=f"doc-{i}")
         elif isinstance(item, Mapping):
             if "text" not in item:
-                msg = f"document #{i} has no 'text' field (keys: {sorted(item)})"
+                msg = f"document #{i} has no 'text' field (keys: {sorted(map(str, item))})"
                 raise InvalidInputError(msg)
+            doc_id = item.get("doc_id", f"doc-{i}")
+            _check_doc_id(i, doc_id)
             extra = {k: v for k, v in item.items() if k not in {"text", "doc_id", "metadata"}}
-            meta = {**extra, **dict(item.get("metadata") or {})}
-            doc = Document(
-                text=item["text"], doc_id=str(item.get("doc_id", f"doc-{i}")), metadata=meta
-            )
+            meta = {**extra, **_metadata(i, doc_id, item.get("metadata"))}
+            doc = Document(text=item["text"], doc_id=doc_id, metadata=meta)
         else:
             msg = f"document #{i} must be a str, Document or mapping, got {type(item).__name__}"
             raise InvalidInputError(msg)
         _check_text(doc)
-        if isinstance(doc.doc_id, str) and not _is_unicode(doc.doc_id):
-            msg = f"document #{i}: doc_id {doc.doc_id!a} is not Unicode text (a lone surrogate)"
-            raise InvalidInputError(msg)
         if doc.chunk_of is not None and (
             not isinstance(doc.chunk_of, str) or not doc.chunk_of or not _is_unicode(doc.chunk_of)
         ):
@@ -128,6 +137,78 @@ def to_documents(documents: Iterable[str | Document | Mapping[str, Any]]) -> lis
         _check_segments(doc)
         out.append(doc)
     return out
+
+
+def _document_items(documents: object) -> list[object]:
+    """The items of ``documents``, refusing what is one document rather than a list of them.
+
+    A string, bytes, a mapping or a Document is iterable, so without this check
+    ``build("abc")`` would index three one-letter documents and ``build({"text": ...})``
+    its keys.
+
+    Raises:
+        InvalidParameterError: ``documents`` is one document, or not iterable.
+    """
+    if isinstance(documents, str | bytes | bytearray | Mapping | Document):
+        kind = (
+            "mapping"
+            if isinstance(documents, Mapping)
+            else "Document"
+            if isinstance(documents, Document)
+            else "string"
+        )
+        msg = (
+            f"documents must be a list (of str, Document or mappings), not a single {kind}: "
+            "wrap it in a list"
+        )
+        raise InvalidParameterError(msg)
+    try:
+        # iter() only asks for an iterator: a generator's body does not run yet, so a
+        # TypeError raised inside it is not mistaken for this one.
+        items = iter(documents)  # type: ignore[call-overload]
+    except TypeError:
+        msg = (
+            f"documents must be a list (of str, Document or mappings), got "
+            f"{type(documents).__name__}"
+        )
+        raise InvalidParameterError(msg) from None
+    return list(items)
+
+
+def _check_doc_id(position: int, doc_id: object) -> None:
+    """Raise InvalidInputError unless ``doc_id`` can name a document in a tree file."""
+    problem = None
+    if not isinstance(doc_id, str):
+        # Not coerced with str(): None would become the id "None", and 5 an id "5" that
+        # delete([5]) could not find.
+        problem = f"must be a non-empty str, got {type(doc_id).__name__} {doc_id!a}"
+    elif not doc_id:
+        problem = "is empty"
+    elif not _is_unicode(doc_id):
+        problem = f"{doc_id!a} is not Unicode text (a lone surrogate)"
+    elif "\x00" in doc_id:
+        # Node ids are digests of NUL-joined parts (build/ids.py): a NUL in an id could
+        # make two documents' leaves share an id.
+        problem = f"{doc_id!a} contains a NUL character"
+    if problem is not None:
+        msg = (
+            f"document #{position}: doc_id {problem}: give each document a unique non-empty "
+            "string id (or, for a mapping, leave doc_id out to get doc-N)"
+        )
+        raise InvalidInputError(msg)
+
+
+def _metadata(position: int, doc_id: str, metadata: object) -> dict[str, Any]:
+    """A document's metadata as a dict; None is no metadata (the Document default, ``{}``)."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        msg = (
+            f"document #{position} ({doc_id!r}): metadata must be a mapping of field names to "
+            f"JSON values, got {type(metadata).__name__}: pass a dict, or None for no metadata"
+        )
+        raise InvalidInputError(msg)
+    return dict(metadata)
 
 
 def _check_segments(doc: Document) -> None:
@@ -240,7 +321,7 @@ class TreeBuilder:
         max_concurrency: summaries requested at once (threads for sync summarisers,
             tasks for async ones).
         n_threads: cap on torch/BLAS/numba threads during the build (None: leave as is).
-        random_state: seed for the default clusterer.
+        random_state: seed for the default clusterer, an int from 0 to 2**32 - 1.
         progress: ``progress(stage, done, total)`` callback.
         on_progress: ``on_progress(event)`` callback with a
             :class:`~raptor_core.build.progress.BuildProgress`: the same steps with the time
@@ -356,9 +437,34 @@ class TreeBuilder:
         ):
             msg = f"n_threads must be a positive integer or None, got {self.n_threads!r}"
             raise InvalidParameterError(msg)
-        if self.random_state is not None and not isinstance(self.random_state, int):
-            msg = f"random_state must be an int or None, got {self.random_state!r}"
+        rs = self.random_state
+        # A plain int: it is recorded in the tree's JSON params (a numpy integer is not
+        # JSON), and numpy and scikit-learn seeds must lie in [0, 2**32 - 1].
+        if rs is not None and (
+            isinstance(rs, bool) or not isinstance(rs, int) or not 0 <= rs <= _MAX_SEED
+        ):
+            msg = f"random_state must be an int in [0, 2**32 - 1] or None, got {rs!r}"
             raise InvalidParameterError(msg)
+        for name in ("progress", "on_progress"):
+            callback = getattr(self, name)
+            if callback is not None and not callable(callback):
+                msg = f"{name} must be a callable or None, got {type(callback).__name__}"
+                raise InvalidParameterError(msg)
+        # Components are duck-typed (Protocols): check the method each is called through, so
+        # a wrong object fails here, before any embedding or summary is paid for.
+        for name, method, example in (
+            ("tokenizer", "encode", "WhitespaceTokenizer() or TiktokenTokenizer()"),
+            ("chunker", "split", "SentenceChunker(tokenizer)"),
+            ("clusterer", "cluster", "GMMClusterer()"),
+        ):
+            component = getattr(self, name)
+            if component is not None and not callable(getattr(component, method, None)):
+                article = "an" if method[0] in "aeiou" else "a"
+                msg = (
+                    f"{name} must have {article} {method}() method (a {name.capitalize()} such "
+                    f"as {example}), got {type(component).__name__}"
+                )
+                raise InvalidParameterError(msg)
         if self.executor is not None and not all(
             callable(getattr(self.executor, name, None)) for name in ("map_batches", "map_tasks")
         ):
@@ -399,9 +505,12 @@ class TreeBuilder:
         """Build a tree over ``documents`` (strings, :class:`Document` or mappings).
 
         Raises:
-            InvalidInputError: no documents, or an empty, binary or duplicate document.
-            InvalidParameterError: a builder parameter is out of range.
-            EmbeddingError, SummarizationError: a model failed (with layer and cluster).
+            InvalidInputError: no documents, or an empty, binary or duplicate document, or
+                one with a bad ``doc_id`` or ``metadata``.
+            InvalidParameterError: a builder parameter is out of range or a component lacks
+                its method, or ``documents`` is one document rather than a list of them.
+            EmbeddingError, SummarizationError: a model failed (with layer and cluster),
+                or returned an empty summary or one that is not Unicode text.
         """
         from raptor_core._threads import limit_threads
 
@@ -984,6 +1093,18 @@ class _BuildRun:
                 f"summary ({summary!r}); every cluster needs text to embed"
             )
             raise SummarizationError(msg)
+        try:
+            summary.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            # Caught here, not when the finished tree is saved: by then every summary of
+            # the build has been paid for.
+            msg = (
+                f"layer {self.layer + 1}, cluster {index}: the summariser returned a summary "
+                f"holding {summary[exc.start : exc.end]!a} at character {exc.start}, which is "
+                "not Unicode text (a lone surrogate) and could not be saved: check how the "
+                "summariser decodes its model's output"
+            )
+            raise SummarizationError(msg) from None
         return summary.strip()
 
     def summarize_sync(self) -> list[str]:

@@ -337,8 +337,10 @@ class GMMClusterer:
             msg = f"metric must be one of {', '.join(map(repr, _METRICS))}, got {self.metric!r}"
             raise InvalidParameterError(msg)
         rs = self.random_state
-        if rs is not None and not _is_int(rs):
-            msg = f"random_state must be an integer or None, got {rs!r}"
+        # A negative seed would reach numpy's default_rng as a raw ValueError.  The upper
+        # bound is scikit-learn's random_state range, which TreeBuilder checks as well.
+        if rs is not None and (not _is_int(rs) or not 0 <= rs <= 2**32 - 1):
+            msg = f"random_state must be an integer in [0, 2**32 - 1] or None, got {rs!r}"
             raise InvalidParameterError(msg)
         if self.bucket_size is not None:
             # A bucket must hold enough rows for UMAP and a mixture: smaller sets are kept whole.

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import NDArray
 
-from raptor_core.build.builder import _BuildRun, summary_node, to_documents
+from raptor_core.build.builder import _BuildRun, _document_items, summary_node, to_documents
 from raptor_core.build.ids import summary_id
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 from raptor_core.tree import Node, Tree
@@ -186,10 +186,21 @@ def prepare_delete(tree: Tree, doc_ids: Iterable[str]) -> list[str]:
         InvalidParameterError: an id is not in the tree, or ``doc_ids`` is a bare string.
         InvalidInputError: deleting them would leave the tree empty.
     """
+    _check_tree(tree)
     if isinstance(doc_ids, str | bytes):
         msg = f"doc_ids must be a list of ids, not a single string ({doc_ids!r}): wrap it in a list"
         raise InvalidParameterError(msg)
-    wanted = list(dict.fromkeys(doc_ids))
+    try:
+        iterator = iter(doc_ids)  # not list(): a TypeError inside a generator is not ours
+    except TypeError:
+        msg = f"doc_ids must be a list of document ids (str), got {type(doc_ids).__name__}"
+        raise InvalidParameterError(msg) from None
+    ids = list(iterator)
+    odd = next((d for d in ids if not isinstance(d, str)), None)
+    if odd is not None:
+        msg = f"doc_ids must be document ids (str), got {type(odd).__name__} {odd!a}"
+        raise InvalidParameterError(msg)
+    wanted = list(dict.fromkeys(ids))
     existing = tree.doc_ids
     known = set(existing)
     unknown = [d for d in wanted if d not in known]
@@ -206,16 +217,27 @@ def prepare_delete(tree: Tree, doc_ids: Iterable[str]) -> list[str]:
     return wanted
 
 
-def _normalise(tree: Tree, documents: Iterable[DocumentLike]) -> list[Document]:
-    if isinstance(documents, str | bytes):
-        msg = "documents must be a list (of str, Document or mappings), not a single string"
+def _check_tree(tree: object) -> None:
+    if not isinstance(tree, Tree):
+        msg = f"tree must be a Tree (from build() or Tree.load()), got {type(tree).__name__}"
         raise InvalidParameterError(msg)
-    items = list(documents)
+
+
+def _normalise(tree: Tree, documents: Iterable[DocumentLike]) -> list[Document]:
+    _check_tree(tree)
+    items = _document_items(documents)
     used = set(tree.doc_ids)
-    used.update(d.doc_id for d in items if isinstance(d, Document))
-    used.update(str(d["doc_id"]) for d in items if isinstance(d, Mapping) and "doc_id" in d)
+    # Only string ids can be taken; to_documents refuses the others, naming the document.
+    for d in items:
+        doc_id = (
+            d.doc_id
+            if isinstance(d, Document)
+            else (d.get("doc_id") if isinstance(d, Mapping) else None)
+        )
+        if isinstance(doc_id, str):
+            used.add(doc_id)
     counter = 0
-    named: list[Document | Mapping[str, Any]] = []
+    named: list[Any] = []
     for item in items:
         if isinstance(item, str):
             # to_documents would number them from doc-0, which the tree most likely holds.
