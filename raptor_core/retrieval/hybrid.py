@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -347,7 +346,8 @@ class HybridRetriever(TreeRetriever):
     ) -> HybridResult:
         run = _Run(started=time.perf_counter(), queue=asyncio.Queue())
         value, guided = self._searches()
-        value_k = math.ceil(k / 2) if self.value_k is None else int(self.value_k)
+        # Integer halving: k / 2 overflows a float for a huge k (10**400 means "no limit").
+        value_k = (k + 1) // 2 if self.value_k is None else int(self.value_k)
 
         async def value_search() -> None:
             # Inline, not in a thread: it is one store search and a walk up the parents

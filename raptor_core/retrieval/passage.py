@@ -110,6 +110,14 @@ _ADJACENT_GAP = 2
 #: The leaf size assumed before a search when the tree's params do not record its chunk
 #: size (the paper's ~100-token chunks).
 _LEAF_TOKENS_GUESS = 100
+#: More leaves than any store holds (about 10^12): ``K`` and the pool sizes are capped here,
+#: so a budget, ``k`` or rank factor too large for a float (``max_tokens=10**400``,
+#: ``rank_factor=1e308``) means "every leaf" instead of overflowing; smaller sizes are
+#: computed exactly as without the cap.
+_MAX_SIZE = 2**40
+#: More tokens than any tree holds (token counts are int64): a larger budget is cut to
+#: this, which changes no result and keeps the budget arithmetic within floats.
+_MAX_BUDGET = 2**62
 
 
 @dataclass(frozen=True, slots=True)
@@ -591,13 +599,19 @@ class PassageRetriever(TreeRetriever):
         neighbour threshold ``depth`` is a multiple of it, so it loosens with the budget
         instead of being a fixed similarity.  The pool holds at least ``depth`` leaves.
         """
-        fits = float(k) if max_tokens is None else max_tokens / max(1.0, mean_tokens)
-        depth = math.ceil(float(self.rank_factor) * max(1.0, fits))
+        cap = _MAX_SIZE
+        if max_tokens is None:
+            fits = float(min(k, cap))
+        else:
+            fits = min(max_tokens, cap) / max(1.0, mean_tokens)
+        depth = math.ceil(min(float(self.rank_factor) * max(1.0, fits), cap))
         return depth, max(depth, 2 * math.ceil(fits), 16)
 
     def _retrieve(
         self, query: str, vector: NDArray[np.float32], *, k: int, max_tokens: int | None
     ) -> list[Hit]:
+        if max_tokens is not None:
+            max_tokens = min(max_tokens, _MAX_BUDGET)
         if self._scope() == "found":
             return self._retrieve_found(vector, k=k, max_tokens=max_tokens)
         leaves = _leaves(self.store)

@@ -238,6 +238,15 @@ def test_edge_cases(tree: Tree) -> None:
     assert len(many.hits) == len(tree)
 
 
+def test_a_k_too_large_for_a_float_means_every_node(tree: Tree) -> None:
+    # The value search's default share, half of k, used to overflow a float for a huge k.
+    llm = scripted(select=select_all)
+    huge = hybrid(tree, llm, judge=False, k=10**400, max_tokens=None).search("cats")
+    assert len(huge.hits) == len(tree) and huge.stop_reason == "exhausted"
+    odd = hybrid(tree, scripted(), judge=False, k=3, max_tokens=None).search("cats purr")
+    assert [h.source for h in odd.hits] == ["value"] * 2  # value_k = 2, rounded up
+
+
 @pytest.mark.parametrize(
     "params",
     [

@@ -205,6 +205,23 @@ def test_parameters_are_validated(tree: Tree) -> None:
     assert retriever(tree, window=1).get_params()["window"] == 1
 
 
+@pytest.mark.parametrize("scope", ["all", "found"])
+def test_sizes_too_large_for_a_float_mean_everything(tree: Tree, scope: str) -> None:
+    # A rank factor or budget past float range used to overflow computing the pool sizes;
+    # it means "every leaf", the same passages as a merely very large value.
+    def found(**params: object) -> list[tuple[str, tuple[str, ...], float]]:
+        hits = retriever(tree, scope=scope, **params).retrieve("honey")
+        return [(h.id, h.leaves, h.score) for h in hits]
+
+    assert found(rank_factor=1e308) == found(rank_factor=1e6)
+    assert found(max_tokens=10**400) == found(max_tokens=10**9)
+    assert found(k=10**400) == found(k=10**6)
+    assert found(k=10**400, max_tokens=None) == found(k=10**6, max_tokens=None)
+    everything = found(k=10**400, max_tokens=10**400, rank_factor=1e308)
+    covered = {leaf for hit_id, leaves, _ in everything for leaf in leaves or (hit_id,)}
+    assert covered == {leaf.id for leaf in tree.leaves}
+
+
 def test_tiny_tree_joins_neighbours_into_one_passage() -> None:
     tree = tiny_tree()
     hit = PassageRetriever(tree, FakeEmbedder(tree.dim), max_tokens=30).retrieve("cats purr")[0]
