@@ -191,7 +191,8 @@ class HybridRetriever(TreeRetriever):
         chunk_k: chunks retrieved by the value search (see ValueBasedRetriever).
         include: nodes the value search may return: ``"all"``, ``"summaries"``, ``"leaves"``.
         top_k: nodes the LLM may choose per step (see LLMGuidedRetriever).
-        start_layer: layer the LLM search starts at (default: the top layer).
+        start_layer: layer the LLM search starts at (default: the top layer; with a filter,
+            the highest layer holding a node that passes it).
         num_layers: steps the LLM search descends (default: down to the leaves).
         max_candidates: candidates shown to the LLM per step.
         min_score: both searches ignore nodes below this cosine similarity.

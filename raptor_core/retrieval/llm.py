@@ -34,7 +34,7 @@ from raptor_core.retrieval.base import (
     similarity_score,
     top_layer,
 )
-from raptor_core.retrieval.traversal import check_layer_span
+from raptor_core.retrieval.traversal import check_layer_span, first_layer
 from raptor_core.tree import Tree, is_carried
 from raptor_core.types import LLM, Embedder, Match, NodeStore
 
@@ -86,7 +86,8 @@ class LLMGuidedRetriever(TreeRetriever):
         max_tokens: context budget; a chosen node that does not fit is still expanded but
             not returned, and the search stops when the budget is full.
         top_k: nodes the LLM may choose per step.
-        start_layer: layer to start at (default: the top layer).
+        start_layer: layer to start at (default: the top layer; with a filter, the highest
+            layer holding a node that passes it).
         num_layers: steps to descend (default: ``start_layer + 1``, down to the leaves).
         max_candidates: at most this many candidates (the most similar) are shown per step,
             which bounds the prompt on wide trees.
@@ -239,8 +240,8 @@ class LLMGuidedRetriever(TreeRetriever):
         Used by :class:`~raptor_core.retrieval.hybrid.HybridRetriever` to stream hits into its queue.
         """
         store = self.store
-        start = top_layer(store) if self.start_layer is None else int(self.start_layer)
-        steps = start + 1 if self.num_layers is None else int(self.num_layers)
+        start = first_layer(self, store, self.start_layer)
+        steps = start + 1 if self.num_layers is None else min(int(self.num_layers), start + 1)
         # Carried copies are shown (their child is reached through them) but never returned.
         where = self.node_filter(layers=frozenset({start}), include_carried=True)
         via: dict[str, str] = {}

@@ -30,7 +30,7 @@ from raptor_core.retrieval.base import (
 from raptor_core.tree import Tree, is_carried
 from raptor_core.types import Embedder, Match, NodeFilter, NodeStore
 
-__all__ = ["TreeTraversalRetriever", "check_layer_span"]
+__all__ = ["TreeTraversalRetriever", "check_layer_span", "first_layer"]
 
 ORDERS = ("score", "layer")
 
@@ -66,6 +66,20 @@ def check_layer_span(top: int, start_layer: object, num_layers: object) -> None:
             raise InvalidParameterError(msg)
 
 
+def first_layer(retriever: TreeRetriever, store: NodeStore, given: int | None) -> int:
+    """The layer a descent starts at: ``given``, else the top layer of what the filters keep.
+
+    With a filter (``where``, ``native_filter``) the top layer may hold no passing node (a
+    summary over several documents never passes a one-document filter): the descent then
+    starts at the highest layer that does, as collapsed search would find its nodes, rather
+    than at an empty layer (-1 when no node passes).
+    """
+    if given is not None:
+        return int(given)
+    # Carried copies count: the descent selects them to reach their child.
+    return top_layer(store, retriever.node_filter(include_carried=True))
+
+
 class TreeTraversalRetriever(TreeRetriever):
     """Tree traversal: descend from ``start_layer``, keeping only children of selected nodes.
 
@@ -82,15 +96,17 @@ class TreeTraversalRetriever(TreeRetriever):
         top_k: nodes selected per step (rank selection).
         threshold: if given, select by cosine similarity >= threshold instead of by rank;
             ``-1`` keeps every candidate, ``1`` keeps (almost) nothing.
-        start_layer: layer to start at (default: the top layer).
+        start_layer: layer to start at (default: the top layer; with a filter, the highest
+            layer holding a node that passes it).
         num_layers: steps to descend (default: ``start_layer + 1``, down to the leaves).
         min_score: never select a node whose cosine similarity is below this.
         order: ``"score"`` returns the union best first; ``"layer"`` returns it in selection
             order (top layer first), like the paper's concatenated context.  The budget and
             ``k`` keep the first nodes in this order.
         where: a metadata filter (see :class:`TreeRetriever`); with one, the search starts
-            at ``start_layer`` as given, else at the top layer, and only passing nodes are
-            selected (a summary over documents the filter excludes is not a way down).
+            at ``start_layer`` as given, else at the highest layer holding a passing node,
+            and only passing nodes are selected (a summary over documents the filter
+            excludes is not a way down).
         native_filter: a filter in the store's own dialect.
 
     Examples:
@@ -168,8 +184,8 @@ class TreeTraversalRetriever(TreeRetriever):
         self, query: str, vector: NDArray[np.float32], *, k: int, max_tokens: int | None
     ) -> list[Hit]:
         store = self.store
-        start = top_layer(store) if self.start_layer is None else int(self.start_layer)
-        steps = start + 1 if self.num_layers is None else int(self.num_layers)
+        start = first_layer(self, store, self.start_layer)
+        steps = start + 1 if self.num_layers is None else min(int(self.num_layers), start + 1)
         # Carried copies are selected (their child is reached through them) but not returned.
         where = self.node_filter(layers=frozenset({start}), include_carried=True)
         via: dict[str, str] = {}  # child id -> the best selected parent that led to it

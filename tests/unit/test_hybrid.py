@@ -18,9 +18,17 @@ from raptor_core import (
     InvalidParameterError,
     LLMAuthenticationError,
     Tree,
+    TreeBuilder,
     ValueBasedRetriever,
 )
-from raptor_core.testing import FakeEmbedder, ScriptedLLM, tiny_tree
+from raptor_core.testing import (
+    EchoSummarizer,
+    FakeEmbedder,
+    GroupClusterer,
+    ScriptedLLM,
+    WhitespaceTokenizer,
+    tiny_tree,
+)
 
 CANDIDATE = re.compile(r"^\[([^\]]+)\]", re.MULTILINE)
 NOTHING = '{"selected": []}'
@@ -236,6 +244,30 @@ def test_edge_cases(tree: Tree) -> None:
     assert nothing.hits == () and nothing.stop_reason == "exhausted" and llm.prompts == []
     many = hybrid(tree, llm, judge=False, k=100, value_k=100, max_tokens=None).search("cats")
     assert len(many.hits) == len(tree)
+
+
+def test_a_filter_starts_the_llm_search_at_the_highest_layer_it_keeps() -> None:
+    # No top summary (each spans two documents) passes a one-document filter.
+    docs = [
+        {"doc_id": f"d{i}", "text": f"Cats purr {i}. Kittens play {i}. Dogs bark {i}."}
+        for i in range(6)
+    ]
+    builder = TreeBuilder(
+        FakeEmbedder(),
+        EchoSummarizer(),
+        tokenizer=WhitespaceTokenizer(),
+        clusterer=GroupClusterer(2),
+        chunk_max_tokens=8,
+    )
+    docs_tree = builder.build(docs)
+    llm = scripted(select=select_all)
+    search = HybridRetriever(
+        docs_tree, FakeEmbedder(), llm=llm, judge=False, value_k=1, where={"doc_id": "d0"}
+    )
+    result = search.search("cats purr")
+    d0 = {n.id for n in docs_tree.nodes if n.doc_id == "d0"}
+    assert {h.id for h in result.hits} == d0  # the value search alone would find one
+    assert "llm" in {h.source for h in result.hits}
 
 
 def test_a_k_too_large_for_a_float_means_every_node(tree: Tree) -> None:

@@ -19,8 +19,17 @@ from raptor_core import (
     LLMGuidedRetriever,
     LLMTimeoutError,
     Tree,
+    TreeBuilder,
 )
-from raptor_core.testing import FakeEmbedder, ScriptedLLM, random_tree, tiny_tree
+from raptor_core.testing import (
+    EchoSummarizer,
+    FakeEmbedder,
+    GroupClusterer,
+    ScriptedLLM,
+    WhitespaceTokenizer,
+    random_tree,
+    tiny_tree,
+)
 
 CANDIDATE = re.compile(r"^\[([^\]]+)\]", re.MULTILINE)
 
@@ -204,6 +213,30 @@ def test_no_similar_nodes_means_no_llm_call(tree: Tree) -> None:
     llm = ScriptedLLM(default=select_all)
     assert retriever(tree, llm, min_score=0.99).retrieve("cats") == []
     assert llm.prompts == []
+
+
+def test_a_filter_starts_at_the_highest_layer_it_keeps() -> None:
+    # The top summaries span two documents each: a one-document filter keeps none of them,
+    # so the LLM is first shown the layer below, not an empty top layer.
+    docs = [
+        {"doc_id": f"d{i}", "text": f"Cats purr {i}. Kittens play {i}. Dogs bark {i}."}
+        for i in range(6)
+    ]
+    builder = TreeBuilder(
+        FakeEmbedder(),
+        EchoSummarizer(),
+        tokenizer=WhitespaceTokenizer(),
+        clusterer=GroupClusterer(2),
+        chunk_max_tokens=8,
+    )
+    docs_tree = builder.build(docs)
+    assert docs_tree.top_layer == 2
+    llm = ScriptedLLM(default=select_all)
+    search = LLMGuidedRetriever(docs_tree, FakeEmbedder(), llm=llm, where={"doc_id": "d0"})
+    hits = search.retrieve("cats purr")
+    assert sorted(h.id for h in hits) == sorted(n.id for n in docs_tree.nodes if n.doc_id == "d0")
+    assert [h.layer for h in hits] == [1, 0, 0]
+    assert "(summary, layer 1" in llm.prompts[0]
 
 
 def test_custom_prompt(tree: Tree) -> None:

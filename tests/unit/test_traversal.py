@@ -7,9 +7,22 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
-from raptor_core import InvalidInputError, InvalidParameterError, Tree, TreeTraversalRetriever
+from raptor_core import (
+    InvalidInputError,
+    InvalidParameterError,
+    Tree,
+    TreeBuilder,
+    TreeTraversalRetriever,
+)
 from raptor_core.retrieval import Hit
-from raptor_core.testing import FakeEmbedder, random_tree, tiny_tree
+from raptor_core.testing import (
+    EchoSummarizer,
+    FakeEmbedder,
+    GroupClusterer,
+    WhitespaceTokenizer,
+    random_tree,
+    tiny_tree,
+)
 
 
 class VectorEmbedder:
@@ -133,6 +146,36 @@ def test_start_layer_and_num_layers(tree: Tree) -> None:
     leaves = _retrieve(tree, q, top_k=4, start_layer=0)
     best = np.argsort(-(tree.embeddings[tree.layer_rows(0)] @ q))[:4]
     assert [h.id for h in leaves] == [tree.leaves[i].id for i in best]
+
+
+def test_a_filter_starts_at_the_highest_layer_it_keeps() -> None:
+    # Six documents of two leaves, one summary each, and top summaries over two documents:
+    # a one-document filter keeps nothing of the top layer, so the descent starts below it.
+    docs = [
+        {"doc_id": f"d{i}", "text": f"Cats purr {i}. Kittens play {i}. Dogs bark {i}."}
+        for i in range(6)
+    ]
+    builder = TreeBuilder(
+        FakeEmbedder(),
+        EchoSummarizer(),
+        tokenizer=WhitespaceTokenizer(),
+        clusterer=GroupClusterer(2),
+        chunk_max_tokens=8,
+    )
+    docs_tree = builder.build(docs)
+    assert docs_tree.top_layer == 2
+    assert all(n.doc_id is None for n in docs_tree.nodes if n.layer == 2)
+
+    def found(**params: object) -> list[str]:
+        retriever = TreeTraversalRetriever(docs_tree, FakeEmbedder(), **params)  # type: ignore[arg-type]
+        return [h.id for h in retriever.retrieve("cats purr")]
+
+    d0 = found(where={"doc_id": "d0"})
+    assert sorted(d0) == sorted(n.id for n in docs_tree.nodes if n.doc_id == "d0")
+    assert found(where={"doc_id": "d0"}, num_layers=3) == d0  # no layer below the leaves
+    assert found(where={"doc_id": "d0"}, start_layer=2) == []  # as given: nothing passes
+    assert found(where={"doc_id": "nowhere"}) == []
+    assert {docs_tree.node(i).layer for i in found()} == {0, 1, 2}  # unfiltered: from the top
 
 
 def test_order_by_score_or_by_layer(tree: Tree) -> None:
