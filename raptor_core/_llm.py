@@ -54,7 +54,9 @@ def parse_json_answer(text: object) -> Any:
     for match in re.finditer(r"[\[{]", body):
         try:
             value, _ = decoder.raw_decode(body, match.start())
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
+            # RecursionError: brackets nested past the interpreter's limit ("[" * 100_000),
+            # garbage like any other.
             attempts += 1
             if attempts >= 20:  # long garbage: do not scan it quadratically
                 break
@@ -126,6 +128,7 @@ async def ask_json(
             continue
         try:
             return parse(parse_json_answer(answer)), ""
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            # RecursionError: a parser walking (or printing) JSON nested past the limit.
             error = f"malformed answer: {exc}"
     return None, error

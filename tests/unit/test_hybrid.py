@@ -219,6 +219,14 @@ def test_a_failing_llm_degrades_to_similarity(tree: Tree) -> None:
     )
 
 
+def test_deeply_nested_garbage_degrades_like_any_malformed_answer(tree: Tree) -> None:
+    llm = ScriptedLLM(default="[" * 100_000)  # past the recursion limit of the JSON decoder
+    result = hybrid(tree, llm, k=4).search("cats purr")
+    assert len(result.hits) == 4
+    assert any(h.reason and h.reason.startswith("similarity fallback") for h in result.hits)
+    assert any(e.startswith("judge: malformed answer: no JSON") for e in result.errors)
+
+
 async def test_async_entry_points_inside_a_running_loop(tree: Tree) -> None:
     llm = scripted(select=select_all)
     r = hybrid(tree, llm, judge=False, k=4)

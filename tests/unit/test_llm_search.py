@@ -21,6 +21,7 @@ from raptor_core import (
     Tree,
     TreeBuilder,
 )
+from raptor_core._llm import ask_json
 from raptor_core.testing import (
     EchoSummarizer,
     FakeEmbedder,
@@ -119,6 +120,7 @@ def test_malformed_answer_is_retried_once(tree: Tree, caplog: pytest.LogCaptureF
         [chosen("X1"), chosen("X2")],  # only unknown ids: unusable
         [LLMError("service unavailable"), "still not json"],
         [RuntimeError("connection reset"), LLMTimeoutError("slow")],
+        ["[" * 100_000, '{"selected": ' + "{" * 100_000],  # nested past the recursion limit
     ],
 )
 def test_unusable_twice_falls_back_to_similarity(
@@ -181,6 +183,16 @@ async def test_sync_llm_in_async_code_and_sync_api_inside_a_loop(tree: Tree) -> 
     sync_hits = r.retrieve("rockets orbit")  # a running loop: runs on a worker thread
     assert [h.id for h in async_hits] == [h.id for h in sync_hits]
     assert len(async_hits) == 2 and async_hits[1].path[0] == async_hits[0].id
+
+
+async def test_a_parser_recursing_too_deep_counts_as_a_malformed_answer() -> None:
+    def parse(answer: object) -> object:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    llm = ScriptedLLM(default="[1]")
+    value, error = await ask_json(llm, "pick", parse, max_tokens=None, timeout=None)
+    assert value is None and error == "malformed answer: maximum recursion depth exceeded"
+    assert len(llm.prompts) == 2  # retried once, like any malformed answer
 
 
 def test_top_k_caps_the_llms_choices(tree: Tree) -> None:
