@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import reprlib
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -107,12 +108,18 @@ def _check_positive_int(name: str, value: object, *, allow_none: bool = False) -
         raise InvalidParameterError(msg)
 
 
-def normalize_query(vector: object, dim: int | None) -> NDArray[np.float32]:
+def normalize_query(vector: object, dim: int | None, *, given: bool = False) -> NDArray[np.float32]:
     """Validate a query embedding and return it unit-normalised as float32 ``(d,)``.
 
     ``dim`` None (a store that does not know its dimension) skips the dimension check.
+    ``given``: the vector was passed in (``embedding=``) rather than returned by the
+    embedder, which the error messages say.
+
+    Raises:
+        EmbeddingError: ``vector`` is not a vector of numbers, has the wrong dimension,
+            NaN or infinite values, or zero norm.
     """
-    q = np.asarray(vector, dtype=np.float32).reshape(-1)
+    q = _as_vector(vector, given=given)
     if dim is not None and q.shape[0] != dim:
         msg = (
             f"query embedding has dimension {q.shape[0]} but the tree has {dim}: "
@@ -126,6 +133,28 @@ def normalize_query(vector: object, dim: int | None) -> NDArray[np.float32]:
         msg = "the embedder returned a query vector with NaN or infinite values"
         raise EmbeddingError(msg)
     msg = "the embedder returned an all-zero query vector; cosine similarity is undefined"
+    raise EmbeddingError(msg)
+
+
+def _as_vector(vector: object, *, given: bool) -> NDArray[np.float32]:
+    """``vector`` as a flat float32 array, or EmbeddingError naming what it was instead."""
+    # A string of digits converts to a number: never a vector, whatever it holds.
+    if not isinstance(vector, str | bytes):
+        try:
+            return np.asarray(vector, dtype=np.float32).reshape(-1)
+        except (TypeError, ValueError, OverflowError):
+            pass  # ragged, non-numeric or beyond any float: reported below
+    got = f"{type(vector).__name__} {reprlib.repr(vector)}"
+    if given:
+        msg = (
+            "embedding must be a flat sequence of numbers (the query's vector from the "
+            f"tree's embedding model), got {got}"
+        )
+    else:
+        msg = (
+            f"the embedder returned something other than a vector of numbers ({got}) "
+            "for the query: its embed_query must return a 1-D array of floats"
+        )
     raise EmbeddingError(msg)
 
 
@@ -332,7 +361,8 @@ class TreeRetriever(ABC):
         Raises:
             InvalidInputError: the query is empty or not a string.
             InvalidParameterError: a parameter is out of range.
-            EmbeddingError: ``embedding`` has the wrong dimension, NaN values or zero norm.
+            EmbeddingError: ``embedding`` (or the embedder's vector) is not a flat sequence
+                of numbers, has the wrong dimension, NaN values or zero norm.
         """
         k, max_tokens = self._resolve(query, k, max_tokens)
         if len(self.store) == 0:
@@ -340,7 +370,7 @@ class TreeRetriever(ABC):
         vector = (
             self.embed_query(query)
             if embedding is None
-            else normalize_query(embedding, self._dim())
+            else normalize_query(embedding, self._dim(), given=True)
         )
         hits = self._retrieve(query, vector, k=k, max_tokens=max_tokens)
         logger.debug("%s: %d hits for %r", type(self).__name__, len(hits), query[:80])
@@ -361,7 +391,7 @@ class TreeRetriever(ABC):
         if embedding is None:
             vector = await self.aembed_query(query)
         else:
-            vector = normalize_query(embedding, self._dim())
+            vector = normalize_query(embedding, self._dim(), given=True)
         return await self._aretrieve(query, vector, k=k, max_tokens=max_tokens)
 
     @abstractmethod

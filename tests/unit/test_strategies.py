@@ -293,3 +293,33 @@ async def test_precomputed_query_embedding(tree: Tree, strategy: str) -> None:
         retriever.retrieve("q", embedding=[1.0, 0.0])
     with pytest.raises(EmbeddingError, match="NaN"):
         retriever.retrieve("q", embedding=np.full(tree.dim, np.nan))
+
+
+class WordEmbedder(FakeEmbedder):
+    """Returns words instead of a vector for the query."""
+
+    def embed_query(self, text: str):
+        return "not a vector"
+
+    async def aembed_query(self, text: str):
+        return "not a vector"
+
+
+@pytest.mark.parametrize("strategy", ["collapsed", "passage", "value"])
+async def test_a_query_vector_that_is_not_numbers_is_an_embedding_error(
+    tree: Tree, strategy: str
+) -> None:
+    from raptor_core import EmbeddingError
+
+    retriever = make_retriever(strategy, tree, FakeEmbedder(tree.dim))
+    for bad in ([1, [2]], "0.5", [10**400] * tree.dim, [object()] * tree.dim):
+        with pytest.raises(EmbeddingError, match="embedding must be a flat sequence of numbers"):
+            retriever.retrieve("cats", embedding=bad)
+        with pytest.raises(EmbeddingError, match="embedding must be a flat sequence of numbers"):
+            await retriever.aretrieve("cats", embedding=bad)
+    words = make_retriever(strategy, tree, WordEmbedder(tree.dim))
+    expected = "the embedder returned something other than a vector of numbers"
+    with pytest.raises(EmbeddingError, match=expected):
+        words.retrieve("cats")
+    with pytest.raises(EmbeddingError, match=expected):
+        await words.aretrieve("cats")
