@@ -309,6 +309,17 @@ class TreeRetriever(ABC):
         if not query.strip():
             msg = "query is empty: pass the question to search for"
             raise InvalidInputError(msg)
+        try:
+            query.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            # A lone surrogate (undecoded bytes, a JSON "\ud800" escape) fails in whatever
+            # encodes the query next (the embedder, an LLM client, a tokenizer).
+            msg = (
+                f"query holds {query[exc.start : exc.end]!a}, which is not valid Unicode text "
+                "(a lone surrogate, from bytes that are not UTF-8): decode the question as "
+                "UTF-8 before searching"
+            )
+            raise InvalidInputError(msg) from None
         k = self.k if k is None else k
         max_tokens = self.max_tokens if max_tokens is None else max_tokens
         _check_positive_int("k", k)
@@ -359,7 +370,7 @@ class TreeRetriever(ABC):
                 framework's cached query embedding, HyDE); the embedder is then not called.
 
         Raises:
-            InvalidInputError: the query is empty or not a string.
+            InvalidInputError: the query is empty, not a string, or not valid Unicode text.
             InvalidParameterError: a parameter is out of range.
             EmbeddingError: ``embedding`` (or the embedder's vector) is not a flat sequence
                 of numbers, has the wrong dimension, NaN values or zero norm.

@@ -94,6 +94,22 @@ def test_empty_or_non_text_query_is_an_input_error(tree: Tree, strategy: str, qu
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_a_query_that_is_not_unicode_text_is_an_input_error(
+    tree: Tree, strategy: str
+) -> None:
+    # A lone surrogate (undecoded bytes) used to pass and fail inside the embedder, or, with
+    # a precomputed embedding, reach the LLM's prompt.
+    retriever = build(strategy, tree)
+    with pytest.raises(InvalidInputError, match=r"'\\ud800', which is not valid Unicode text"):
+        retriever.retrieve("cats \ud800 purr")
+    vector = FakeEmbedder(tree.dim).embed_query("cats")
+    with pytest.raises(InvalidInputError, match="not valid Unicode text"):
+        retriever.retrieve("cats \udcff", embedding=vector)
+    with pytest.raises(InvalidInputError, match="not valid Unicode text"):
+        await retriever.aretrieve("cats \udcff", embedding=vector)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_k_larger_than_the_tree(tree: Tree, strategy: str) -> None:
     llm = ScriptedLLM(default="not json")  # the LLM paths fall back to similarity
     retriever = make_retriever(
