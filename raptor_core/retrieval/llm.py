@@ -67,8 +67,13 @@ def check_timeout(name: str, value: object) -> None:
 
 
 def _preview(text: str, limit: int) -> str:
+    """``text`` on one line, at most ``limit`` characters (an ellipsis marks a cut)."""
     flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 3].rstrip() + "..."
+    if len(flat) <= limit:
+        return flat
+    if limit <= 3:  # no room for an ellipsis: flat[: limit - 3] would cut from the end
+        return flat[:limit]
+    return flat[: limit - 3].rstrip() + "..."
 
 
 class LLMGuidedRetriever(TreeRetriever):

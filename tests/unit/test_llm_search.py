@@ -251,6 +251,15 @@ def test_a_filter_starts_at_the_highest_layer_it_keeps() -> None:
     assert "(summary, layer 1" in llm.prompts[0]
 
 
+@pytest.mark.parametrize("preview_chars", [1, 2, 3, 4, 10])
+def test_previews_never_exceed_preview_chars(tree: Tree, preview_chars: int) -> None:
+    llm = ScriptedLLM(default='{"selected": []}')
+    retriever(tree, llm, preview_chars=preview_chars).retrieve("cats")
+    shown = re.findall(r"^\[[^\]]+\] \([^)]*\) (.*)$", llm.prompts[0], re.MULTILINE)
+    assert shown and all(len(text) <= preview_chars for text in shown)
+    assert any(len(text) == preview_chars for text in shown)  # every text here is longer
+
+
 def test_custom_prompt(tree: Tree) -> None:
     llm = ScriptedLLM(default='{"selected": []}')
     retriever(tree, llm, prompt="Q={query}\n{candidates}\nJSON please").retrieve("cats")
