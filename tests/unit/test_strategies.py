@@ -191,6 +191,8 @@ def tree_dir(tmp_path, tree: Tree):
         ([], "passage"),
         (["--strategy", "passage", "--window", "1", "--rank-factor", "2"], "passage"),
         (["--strategy", "passage", "--max-share", "1"], "passage"),
+        # Past float range: every leaf is near enough (no OverflowError traceback).
+        (["--rank-factor", "1e308", "--max-tokens", "1" + "0" * 400], "passage"),
         (["--strategy", "traversal", "--top-k-per-layer", "1"], "traversal"),
         (["--strategy", "traversal", "--threshold", "0.1", "--start-layer", "1"], "traversal"),
         (["--strategy", "value", "--chunk-k", "2"], "value"),
