@@ -311,15 +311,24 @@ def _whole_document(document: LlamaIndexDocument) -> Document:
     )
 
 
-def _record(metadata: Mapping[str, Any]) -> dict[str, Any]:
-    raw = metadata.get(LLAMAINDEX_NODE_KEY)
+def _parse_record(raw: object) -> dict[str, Any] | None:
+    """The node record in ``raw`` (a leaf's metadata entry), or None when it is damaged.
+
+    The entry comes from files anyone may edit: besides broken JSON, an over-long integer
+    (ValueError) or a nesting deeper than the parser's recursion (RecursionError) is a
+    damaged record too, never an error of the retrieval that meets it.
+    """
     if not isinstance(raw, str):
-        return {}
+        return None
     try:
         record = json.loads(raw)
-    except json.JSONDecodeError:
-        return {}
-    return record if isinstance(record, dict) else {}
+    except (ValueError, RecursionError):  # ValueError covers json.JSONDecodeError
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _record(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    return _parse_record(metadata.get(LLAMAINDEX_NODE_KEY)) or {}
 
 
 def _source(record: Mapping[str, Any]) -> str | None:
@@ -476,11 +485,8 @@ def pop_node_fields(metadata: dict[str, Any]) -> NodeFields | None:
     raw = metadata.pop(LLAMAINDEX_NODE_KEY, None)
     if raw is None:
         return None
-    try:
-        record = json.loads(raw) if isinstance(raw, str) else None
-    except json.JSONDecodeError:
-        record = None
-    if not isinstance(record, dict):
+    record = _parse_record(raw)
+    if record is None:
         logger.warning("ignoring a damaged %s entry in a leaf's metadata", LLAMAINDEX_NODE_KEY)
         return None
     return NodeFields(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterator
@@ -30,9 +31,15 @@ from llama_index.core.schema import MetadataMode, NodeRelationship, TextNode
 from pydantic import Field
 
 from raptor_core.exceptions import InvalidParameterError
-from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer
-from raptor_llamaindex import LlamaIndexEmbedder, RaptorIndex
-from raptor_llamaindex.ingestion import LLAMAINDEX_NODE_KEY, node_to_document, pop_node_fields
+from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer, tiny_tree
+from raptor_core.tree import Tree
+from raptor_llamaindex import LlamaIndexEmbedder, RaptorIndex, RaptorRetriever
+from raptor_llamaindex.ingestion import (
+    LLAMAINDEX_NODE_KEY,
+    chunk_position,
+    node_to_document,
+    pop_node_fields,
+)
 
 TEXTS = {
     "cats": "Cats purr softly. Cats sleep in the sun. Kittens chase string. A cat grooms its fur.",
@@ -222,6 +229,33 @@ def test_a_damaged_node_record_is_ignored_with_a_warning(
     record = doc.metadata[LLAMAINDEX_NODE_KEY].replace('"node_type":"4"', '"node_type":"nope"')
     fields = pop_node_fields({LLAMAINDEX_NODE_KEY: record.replace('"3":', '"99":')})
     assert fields is not None and NodeRelationship.PREVIOUS in fields.relationships
+
+
+@pytest.mark.parametrize("raw", ["[" * 100_000, "1" * 5000], ids=["deep", "long-integer"])
+def test_a_record_the_parser_cannot_take_is_a_damaged_record(
+    raw: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Nested past the parser's recursion, or an integer past Python's digit limit: the
+    # retrieval returning the leaf used to die with a raw RecursionError / ValueError.
+    metadata = {"topic": "x", LLAMAINDEX_NODE_KEY: raw}
+    assert chunk_position(metadata) is None
+    with caplog.at_level(logging.WARNING, logger="raptor_llamaindex.ingestion"):
+        assert pop_node_fields(metadata) is None
+    assert metadata == {"topic": "x"} and "damaged" in caplog.text
+    tree = tiny_tree()
+    leaves = tuple(
+        dataclasses.replace(n, metadata={"topic": "x", LLAMAINDEX_NODE_KEY: raw})
+        if n.is_leaf
+        else n
+        for n in tree.nodes
+    )
+    tree = Tree(nodes=leaves, embeddings=tree.embeddings, params=tree.params)
+    hits = RaptorRetriever(
+        tree, FakeEmbedder(tree.dim), strategy="collapsed", similarity_top_k=10
+    ).retrieve("cats purr")
+    leaf_hits = [h.node for h in hits if h.node.metadata["raptor_layer"] == 0]
+    assert leaf_hits and all(n.metadata["topic"] == "x" for n in leaf_hits)
+    assert all(LLAMAINDEX_NODE_KEY not in n.metadata for n in leaf_hits)
 
 
 # -- instrumentation ------------------------------------------------------------------------------
