@@ -68,6 +68,9 @@ RAPTOR_METADATA_KEYS = (
     "raptor_leaves",
 )
 
+#: The metadata key the core builder marks a carried copy with (see raptor_core.tree).
+_CARRIED_KEY = "carried"
+
 #: Strategies that call an LLM (async end to end in the core).
 _NEEDS_LLM = frozenset({"llm", "hybrid"})
 
@@ -88,18 +91,25 @@ def hit_to_node(
     Leaves keep their document's metadata and gain ``raptor_layer`` (0), ``raptor_doc_id``,
     ``raptor_span`` (``[start, end]`` character offsets, also in ``start_char_idx`` /
     ``end_char_idx``) and a ``SOURCE`` relationship, so ``node.ref_doc_id`` is the document id.
-    Summaries carry ``raptor_layer``, ``raptor_doc_ids`` (the documents they cover) and
-    ``raptor_children`` (also as ``CHILD`` relationships); one over a single document has
-    it as ``SOURCE`` too.  A node inside a summary links it as ``PARENT`` (the first one).  A passage of several leaves
-    (the ``"passage"`` strategy) is a leaf-like node whose ``raptor_leaves`` lists the leaf
-    ids it joins.  The ``raptor_*`` keys, and the
+    Summaries keep the metadata all their leaves share (so a summary that passes a metadata
+    filter shows why) and carry ``raptor_layer``, ``raptor_doc_ids`` (the documents they
+    cover) and ``raptor_children`` (also as ``CHILD`` relationships); one over a single
+    document has it as ``SOURCE`` too.  A node inside a summary links it as ``PARENT`` (the
+    first one).  A passage of several leaves (the ``"passage"`` strategy) is a leaf-like node
+    whose ``raptor_leaves`` lists the leaf ids it joins.  The ``raptor_*`` keys, and the
     document keys named in ``excluded_*_metadata_keys``, are kept out of prompts and
     embeddings as LlamaIndex does for its own bookkeeping.
     """
     node = hit.node
-    metadata: dict[str, Any] = dict(node.metadata) if node.is_leaf else {}
-    # A leaf that was a LlamaIndex node gets its node's fields back (see ingestion.py).
-    fields = pop_node_fields(metadata) if node.is_leaf else None
+    metadata: dict[str, Any] = dict(node.metadata)
+    if not node.is_leaf:
+        # The builder's mark of a carried copy: bookkeeping, never metadata its leaves
+        # share (the builder leaves "carried" out of what it copies up).
+        metadata.pop(_CARRIED_KEY, None)
+    # A leaf that was a LlamaIndex node gets its node's fields back (see ingestion.py).  A
+    # summary holds a record only when it is a carried copy of one such leaf; it keeps
+    # that node's metadata exclusions, not its relationships or offsets.
+    fields = pop_node_fields(metadata)
     metadata["raptor_layer"] = node.layer
     metadata["raptor_doc_ids"] = list(node.doc_ids)
     metadata["raptor_source"] = hit.source
@@ -134,6 +144,7 @@ def hit_to_node(
             *fields.excluded_llm_metadata_keys,
             *excluded_llm_metadata_keys,
         ]
+    if fields is not None and node.is_leaf:
         if len(hit.leaves) > 1:
             # A passage of several nodes: only their shared document still applies.
             source = fields.relationships.get(NodeRelationship.SOURCE)

@@ -33,6 +33,7 @@ from llama_index.core.llms import CustomLLM, MockLLM
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import MetadataMode, NodeRelationship, QueryBundle, TextNode
 from llama_index.core.tools import QueryEngineTool
+from llama_index.core.vector_stores import MetadataFilter, MetadataFilters
 from pydantic import Field, PrivateAttr
 
 import raptor_llamaindex
@@ -83,6 +84,14 @@ class PairClusterer:
     def cluster(self, vectors: Any) -> list[list[int]]:
         n = len(vectors)
         return [list(range(i, min(i + 2, n))) for i in range(0, n, 2)]
+
+
+class StraddleClusterer:
+    """The first node alone, then consecutive pairs: pairs straddle the documents."""
+
+    def cluster(self, vectors: Any) -> list[list[int]]:
+        n = len(vectors)
+        return [[0], *(list(range(i, min(i + 2, n))) for i in range(1, n, 2))]
 
 
 def fast_options(**extra: Any) -> dict[str, Any]:
@@ -243,6 +252,84 @@ def test_leaf_nodes_keep_document_metadata(index: RaptorIndex) -> None:
     for leaf in leaves:
         assert leaf.metadata["topic"] == leaf.metadata["raptor_doc_id"]
         assert leaf.get_content(metadata_mode=MetadataMode.LLM).startswith("topic: ")
+
+
+def test_summaries_keep_the_metadata_all_their_leaves_share() -> None:
+    docs = documents()
+    for doc in docs:
+        doc.metadata["file_path"] = f"/data/{doc.doc_id}.txt"
+        doc.excluded_llm_metadata_keys = ["file_path"]
+    index = RaptorIndex.from_documents(docs, embed_model=FakeEmbedder(32), **fast_options())
+    only_cats = MetadataFilters(filters=[MetadataFilter(key="topic", value="cats")])
+    nodes = index.as_retriever(
+        strategy="collapsed", similarity_top_k=50, max_tokens=None, filters=only_cats
+    ).retrieve("cats purr")
+    summaries = [n.node for n in nodes if n.node.metadata["raptor_layer"] > 0]
+    assert summaries
+    for summary in summaries:
+        # The keys the filter passed it on are there to see, as on a leaf.
+        assert summary.metadata["topic"] == "cats"
+        assert summary.metadata["file_path"] == "/data/cats.txt"
+        assert "carried" not in summary.metadata
+        llm_text = summary.get_content(metadata_mode=MetadataMode.LLM)
+        assert "topic: cats" in llm_text
+        assert "file_path" not in llm_text and "raptor_" not in llm_text
+        embed_text = summary.get_content(metadata_mode=MetadataMode.EMBED)
+        assert "file_path" in embed_text and "raptor_" not in embed_text
+    # A summary straddling two documents keeps only what their leaves share.
+    straddled = RaptorIndex.from_documents(
+        docs, embed_model=FakeEmbedder(32), **fast_options(clusterer=StraddleClusterer())
+    )
+    mixed = [
+        n.node
+        for n in straddled.as_retriever(
+            strategy="collapsed", similarity_top_k=50, max_tokens=None
+        ).retrieve("cats")
+        if len(n.node.metadata["raptor_doc_ids"]) > 1
+    ]
+    assert mixed
+    for summary in mixed:
+        assert "topic" not in summary.metadata and "file_path" not in summary.metadata
+
+
+def test_a_carried_summary_drops_the_bookkeeping_and_keeps_its_nodes_exclusions() -> None:
+    from raptor_core.retrieval import Hit
+    from raptor_core.tree import Node
+    from raptor_llamaindex.ingestion import LLAMAINDEX_NODE_KEY
+
+    record = {
+        "version": 1,
+        "id": "n1",
+        "source": "d1",
+        "excluded_llm_metadata_keys": ["secret"],
+        "excluded_embed_metadata_keys": ["secret"],
+        "relationships": {},
+        "start_char_idx": 3,
+        "end_char_idx": 9,
+    }
+    carried = Node(
+        id="L1.0",
+        text="Cats purr.",
+        layer=1,
+        token_count=2,
+        children=("n1",),
+        doc_id="d1",
+        doc_ids=("d1",),
+        metadata={
+            "topic": "cats",
+            "secret": "s3",
+            "carried": True,
+            LLAMAINDEX_NODE_KEY: json.dumps(record),
+        },
+    )
+    node = hit_to_node(Hit(node=carried, score=0.5, source="collapsed")).node
+    assert isinstance(node, TextNode)
+    assert node.metadata["topic"] == "cats" and node.metadata["secret"] == "s3"
+    assert "carried" not in node.metadata and LLAMAINDEX_NODE_KEY not in node.metadata
+    assert "secret" in node.excluded_llm_metadata_keys
+    assert "secret" in node.excluded_embed_metadata_keys
+    # The node's offsets are the leaf's, not the summary's.
+    assert node.start_char_idx is None and node.end_char_idx is None
 
 
 def test_hit_to_node_records_path_and_reason() -> None:
