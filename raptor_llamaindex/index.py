@@ -1148,6 +1148,9 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         retriever_names = (
             _RETRIEVER_ARGS
             | _RETRIEVER_ONLY_ARGS
+            # The core's name for similarity_top_k: refused by the retriever with a hint,
+            # where the engine would ignore it.
+            | {"k"}
             | strategy_param_names(strategy)
             | set(self._index_struct.retriever.get("strategy_params") or {})
         )

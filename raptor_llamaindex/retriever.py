@@ -10,6 +10,7 @@ instrumentation events (``RetrievalStartEvent``/``RetrievalEndEvent``).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import os
@@ -178,7 +179,14 @@ def make_core_retriever(
     max_tokens: int | None,
     params: Mapping[str, Any],
 ) -> TreeRetriever:
-    """Create the raptor_core strategy object (validates the strategy and its parameters)."""
+    """Create the raptor_core strategy object (validates the strategy and its parameters).
+
+    Raises:
+        InvalidParameterError: unknown strategy, or a parameter it does not take: the
+            core's own ``k`` and ``max_tokens`` are refused among ``params``, since this
+            adapter sets them from ``similarity_top_k`` and ``max_tokens``.
+    """
+    check_strategy_params(strategy, params)
     return make_retriever(
         strategy,
         tree,  # type: ignore[arg-type]  # every strategy takes a NodeStore where a Tree goes
@@ -197,6 +205,49 @@ def strategy_param_names(strategy: str) -> frozenset[str]:
         InvalidParameterError: unknown strategy.
     """
     return frozenset(accepted_params(strategy)) - {"k", "max_tokens"}
+
+
+#: The core's parameters that the retriever sets from its own, with what to pass instead.
+_CORE_NAMES = {
+    "k": "pass similarity_top_k= instead (LlamaIndex's name for the number of nodes returned)",
+    "max_tokens": "pass it as the retriever's own max_tokens= (the budget for all nodes together)",
+}
+
+
+def check_strategy_params(strategy: str, params: Mapping[str, Any]) -> None:
+    """Refuse a strategy parameter the retriever cannot pass on, naming what it takes.
+
+    The core's message would list ``k`` and ``max_tokens`` as accepted; here they come
+    from the retriever's own ``similarity_top_k`` and ``max_tokens``, so the message lists
+    the names a caller can actually pass.
+
+    Raises:
+        InvalidParameterError: unknown strategy, the core's ``k``/``max_tokens`` among the
+            strategy parameters, or a parameter the strategy does not take.
+    """
+    known = strategy_param_names(strategy)
+    for core, hint in _CORE_NAMES.items():
+        if core in params:
+            msg = f"a RAPTOR retriever takes no {core!r} strategy parameter: {hint}"
+            raise InvalidParameterError(msg)
+    unknown = sorted(str(name)[:80] for name in set(params) - known)
+    if unknown:
+        own = ", ".join(retriever_param_names())
+        msg = (
+            f"unknown retriever parameter(s) {', '.join(unknown)}: strategy {strategy!r} "
+            f"takes {', '.join(sorted(known)) or 'no parameters of its own'}; the retriever "
+            f"itself takes {own}"
+        )
+        raise InvalidParameterError(msg)
+
+
+def retriever_param_names() -> tuple[str, ...]:
+    """The keyword parameters of :class:`RaptorRetriever` itself (besides the strategy's)."""
+    return tuple(
+        name
+        for name, param in inspect.signature(RaptorRetriever.__init__).parameters.items()
+        if param.kind is param.KEYWORD_ONLY
+    )
 
 
 #: ``VectorStoreQueryMode`` values a RAPTOR retriever serves (LlamaIndex's own habit).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -58,7 +59,7 @@ from raptor_llamaindex import (
     RaptorRetriever,
 )
 from raptor_llamaindex.models import resolve_embedder, resolve_llm, resolve_summarizer
-from raptor_llamaindex.retriever import PARAMS_FILE, hit_to_node
+from raptor_llamaindex.retriever import PARAMS_FILE, hit_to_node, make_core_retriever
 
 EXPECTED_ALL = [
     "RAPTOR_METADATA_KEYS",
@@ -404,6 +405,35 @@ def test_bad_parameters_fail_at_construction() -> None:
         RaptorRetriever("not a tree", FakeEmbedder())  # type: ignore[arg-type]
     with pytest.raises(InvalidParameterError):
         RaptorRetriever(tree, object())  # type: ignore[arg-type]
+
+
+def test_the_core_names_are_refused_with_the_retrievers_own(index: RaptorIndex) -> None:
+    # k used to reach the core twice (a raw TypeError); LlamaIndex calls it similarity_top_k.
+    tree = tiny_tree()
+    with pytest.raises(InvalidParameterError, match="similarity_top_k"):
+        index.as_retriever(k=3)
+    with pytest.raises(InvalidParameterError, match="similarity_top_k"):
+        RaptorRetriever(tree, FakeEmbedder(tree.dim), k=3)
+    with pytest.raises(InvalidParameterError, match="similarity_top_k"):
+        index.as_query_engine(llm=MockLLM(), k=3)
+    with pytest.raises(InvalidParameterError, match="retriever's own max_tokens"):
+        make_core_retriever(
+            "collapsed",
+            tree,
+            FakeEmbedder(tree.dim),
+            llm=None,
+            k=2,
+            max_tokens=None,
+            params={"max_tokens": 10},
+        )
+
+
+def test_an_unknown_parameter_lists_the_names_a_caller_can_pass(index: RaptorIndex) -> None:
+    with pytest.raises(InvalidParameterError, match="foo") as info:
+        index.as_retriever(foo=1)
+    names = set(re.findall(r"\w+", str(info.value)))
+    assert {"layers", "min_score", "similarity_top_k", "max_tokens", "filters"} <= names
+    assert "k" not in names
 
 
 def test_empty_query_raises_value_error() -> None:
