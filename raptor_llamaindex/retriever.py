@@ -13,7 +13,9 @@ import asyncio
 import inspect
 import json
 import logging
+import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +40,13 @@ from raptor_core.exceptions import InvalidParameterError, TreeFormatError
 from raptor_core.retrieval import DEFAULT_MAX_TOKENS, Hit, TreeRetriever
 from raptor_core.retrieval.registry import DEFAULT_STRATEGY as CORE_DEFAULT_STRATEGY
 from raptor_core.retrieval.registry import STRATEGIES, accepted_params, make_retriever
-from raptor_core.store._format import write_tree
+from raptor_core.store._format import (
+    MAX_JSON_BYTES,
+    MAX_VALUE_DEPTH,
+    _open_regular,
+    _parse_json,
+    write_tree,
+)
 from raptor_core.tree import Tree
 from raptor_core.types import LLM, Embedder, NodeStore
 from raptor_llamaindex.ingestion import pop_node_fields
@@ -713,6 +721,8 @@ _TOP_KEYS = frozenset(
 )
 _MAX_STRING = 100_000
 _MAX_LIST = 10_000
+# An unpaired UTF-16 surrogate: json decodes the escape \ud800 into a str no UTF-8 file can hold.
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
 
 
 def _bad(path: Path | str, what: str) -> TreeFormatError:
@@ -728,7 +738,42 @@ def _scalar_ok(value: object) -> bool:
         return True
     if isinstance(value, float):
         return bool(np.isfinite(value))
-    return isinstance(value, str) and len(value) <= _MAX_STRING
+    return isinstance(value, str) and len(value) <= _MAX_STRING and _text_ok(value)
+
+
+def _text_ok(value: str) -> bool:
+    """Whether ``value`` encodes as UTF-8 (no unpaired surrogate)."""
+    return _SURROGATE.search(value) is None
+
+
+def _json_problem(value: object) -> str | None:
+    """What makes ``value`` (a document's metadata) unfit to save or rebuild, if anything.
+
+    Walked with a stack, not recursion, so a deeply nested value cannot overflow it.
+    """
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            # Counted as the tree files count it: an empty container adds no level.
+            if item and depth > MAX_VALUE_DEPTH:
+                return f"is nested more than {MAX_VALUE_DEPTH} levels deep"
+            if isinstance(item, dict):
+                for key in item:
+                    if not isinstance(key, str) or not _text_ok(key):
+                        return "has a key that is not a UTF-8 string"
+                stack.extend((v, depth + 1) for v in item.values())
+            else:
+                stack.extend((v, depth + 1) for v in item)
+        elif isinstance(item, str):
+            if not _text_ok(item):
+                return "holds a string with an unpaired UTF-16 surrogate (\\ud800-\\udfff)"
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return f"holds the number {item}, which JSON cannot carry"
+        elif item is not None and not isinstance(item, bool | int):
+            return f"holds a {type(item).__name__}, not a JSON value"
+    return None
 
 
 def check_builder_section(path: Path | str, section: object) -> dict[str, Any]:
@@ -822,6 +867,13 @@ def check_documents_section(path: Path | str, section: object) -> list[dict[str,
             or not isinstance(item.get("metadata", {}), dict)
         ):
             raise _bad(path, f"document #{i} is not {{doc_id, text, metadata}}")
+        # index_store.json is read by LlamaIndex's JSON loader, which takes NaN and
+        # surrogates; the rebuild and the next save would fail on them later, far from here.
+        if not _text_ok(item["doc_id"]) or not _text_ok(item["text"]):
+            raise _bad(path, f"document #{i} holds an unpaired UTF-16 surrogate (\\ud800-\\udfff)")
+        problem = _json_problem(item.get("metadata", {}))
+        if problem is not None:
+            raise _bad(path, f"the metadata of document #{i} {problem}")
     return section
 
 
@@ -835,16 +887,27 @@ def read_params(directory: str | os.PathLike[str]) -> dict[str, Any]:
     dropped with a warning: a file never chooses where we write.
 
     Raises:
-        TreeFormatError: the file is not valid JSON or breaks the schema.
+        TreeFormatError: the file is a symbolic link, not a regular file or too large, is
+            not valid JSON (NaN, over-long integers, unpaired surrogates and nesting deeper
+            than the parser's recursion included) or breaks the schema.
     """
     path = Path(directory) / PARAMS_FILE
-    if not path.is_file():
+    # Read as the tree's own files are: a regular file in the directory (no symbolic link
+    # to elsewhere, no FIFO), of bounded size (it holds the documents' text, so the
+    # tree.json bound), parsed without NaN, over-long integers, surrogates or a
+    # recursion-deep nesting.
+    try:
+        fd, st = _open_regular(path, MAX_JSON_BYTES)
+    except FileNotFoundError:
         return {}
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        msg = f"{path} is not valid JSON (truncated or edited?): {exc}"
+        with open(fd, "rb") as f:
+            raw = f.read(st.st_size + 1)
+    except OSError as exc:
+        msg = f"cannot read {path}: {exc}"
         raise TreeFormatError(msg) from exc
+    document = _parse_json(raw, path)
+    del raw
     if not isinstance(document, dict) or document.get("format") != _FORMAT:
         msg = f"{path} is not a raptor_llamaindex parameter file"
         raise TreeFormatError(msg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -58,8 +59,9 @@ from raptor_llamaindex import (
     RaptorIndex,
     RaptorRetriever,
 )
+from raptor_llamaindex import retriever as retriever_module
 from raptor_llamaindex.models import resolve_embedder, resolve_llm, resolve_summarizer
-from raptor_llamaindex.retriever import PARAMS_FILE, hit_to_node, make_core_retriever
+from raptor_llamaindex.retriever import PARAMS_FILE, hit_to_node, make_core_retriever, read_params
 
 EXPECTED_ALL = [
     "RAPTOR_METADATA_KEYS",
@@ -909,6 +911,63 @@ def test_damaged_parameter_file(tmp_path: Any) -> None:
     (tmp_path / PARAMS_FILE).write_text(json.dumps({"format": "other"}))
     with pytest.raises(TreeFormatError):
         RaptorRetriever.from_persist_dir(tmp_path, FakeEmbedder())
+
+
+def _params_file(**sections: Any) -> str:
+    return json.dumps({"format": "raptor-llamaindex", "format_version": 1, **sections})
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ('{"format": "raptor-llamaindex", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "deep"),
+        ('{"format": "raptor-llamaindex", "format_version": ' + "1" * 5000 + "}", "digits"),
+        (
+            _params_file(documents=[{"doc_id": "d", "text": "t", "metadata": {"s": 1}}]).replace(
+                '"s": 1', '"s": NaN'
+            ),
+            "NaN",
+        ),
+        (_params_file(documents=[{"doc_id": "d", "text": "\ud800"}]), "surrogate"),
+        (_params_file(retriever={"strategy": "collapsed", "strategy_params": {"x": 1}}), "x"),
+    ],
+    ids=["deep", "long-integer", "nan", "surrogate", "schema"],
+)
+def test_a_parameter_file_the_parser_cannot_take_is_a_format_error(
+    tmp_path: Any, content: str, match: str
+) -> None:
+    tiny_tree().save(tmp_path)
+    (tmp_path / PARAMS_FILE).write_text(content)
+    with pytest.raises(TreeFormatError, match=match):
+        read_params(tmp_path)
+    with pytest.raises(TreeFormatError, match=match):
+        RaptorRetriever.from_persist_dir(tmp_path, FakeEmbedder())
+
+
+def test_a_parameter_file_is_read_as_the_tree_files_are(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tree_dir = tmp_path / "tree"
+    tiny_tree().save(tree_dir)
+    params = tree_dir / PARAMS_FILE
+    # A symbolic link to a file elsewhere is refused, never followed.
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text(_params_file(retriever={"similarity_top_k": 999}))
+    params.symlink_to(outside)
+    with pytest.raises(TreeFormatError, match="symbolic link"):
+        read_params(tree_dir)
+    with pytest.raises(TreeFormatError, match="symbolic link"):
+        RaptorIndex.load(tree_dir, embed_model=FakeEmbedder())
+    params.unlink()
+    os.mkfifo(params)  # would block a plain open
+    with pytest.raises(TreeFormatError, match="not a regular file"):
+        read_params(tree_dir)
+    params.unlink()
+    params.write_text(_params_file(retriever={"similarity_top_k": 3}))
+    assert read_params(tree_dir)["retriever"]["similarity_top_k"] == 3
+    monkeypatch.setattr(retriever_module, "MAX_JSON_BYTES", 16)
+    with pytest.raises(TreeFormatError, match="bytes"):
+        read_params(tree_dir)
 
 
 def test_load_without_a_tree(tmp_path: Any) -> None:

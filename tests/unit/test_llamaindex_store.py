@@ -68,6 +68,13 @@ DOCS = {
 }
 
 
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 def documents() -> list[Document]:
     return [
         Document(text=text, id_=doc_id, metadata={"topic": topic})
@@ -666,6 +673,12 @@ def test_filters_are_honoured_like_the_core_where() -> None:
         ("params", ["not", "an", "object"], "params"),
         ("format_version", 99, "format_version"),
         ("documents", [{"doc_id": 1, "text": "x"}], "document #0"),
+        # LlamaIndex's JSON loader takes these; the rebuild and the next save would not.
+        ("documents", [{"doc_id": "d", "text": "x", "metadata": {"s": float("nan")}}], "nan"),
+        ("documents", [{"doc_id": "d", "text": "x", "metadata": {"s": float("inf")}}], "inf"),
+        ("documents", [{"doc_id": "d", "text": "\ud800"}], "surrogate"),
+        ("documents", [{"doc_id": "d", "text": "x", "metadata": {"\udc00": 1}}], "UTF-8"),
+        ("documents", [{"doc_id": "d", "text": "x", "metadata": {"a": _nested(40)}}], "nested"),
     ],
 )
 def test_a_tampered_index_store_is_refused(
