@@ -436,8 +436,8 @@ def _open_regular(path: Path, max_bytes: int) -> tuple[int, os.stat_result]:
         # O_NOFOLLOW closes the gap between the lstat and the open; O_NONBLOCK keeps a FIFO
         # planted under the name from blocking the open.
         fd = os.open(path, _OPEN_FLAGS)
-    except FileNotFoundError:
-        raise
+    except (FileNotFoundError, TreeFormatError):
+        raise  # (a TreeFormatError is a ValueError: not to be wrapped again below)
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
         if isinstance(exc, OSError) and exc.errno == errno.ELOOP:
             msg = f"{path} is a symbolic link; tree files must be regular files in the tree's directory"
