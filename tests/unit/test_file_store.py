@@ -395,7 +395,7 @@ def test_index_that_is_a_symlink_or_fifo_is_refused(
     path = _copy(saved, tmp_path)
     (path / "tree.idx").rename(tmp_path / "elsewhere.idx")
     (path / "tree.idx").symlink_to(tmp_path / "elsewhere.idx")
-    with pytest.raises(TreeFormatError, match="^[^ ]*tree.idx is a symbolic link") as caught:
+    with pytest.raises(TreeFormatError, match=r"^[^ ]*tree\.idx is a symbolic link") as caught:
         FileNodeStore.open(path)
     assert "cannot open" not in str(caught.value)  # said once, not wrapped again
     (path / "tree.idx").unlink()
