@@ -8,12 +8,13 @@ and an async twin ``aretrieve``.  The public methods validate and then call ``_r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import reprlib
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,10 +22,23 @@ import numpy as np
 from numpy.typing import NDArray
 
 from raptor_core.backends._vectors import unit_vector
-from raptor_core.exceptions import EmbeddingError, InvalidInputError, InvalidParameterError
+from raptor_core.exceptions import (
+    EmbeddingError,
+    InvalidInputError,
+    InvalidParameterError,
+    TreeFormatError,
+)
 from raptor_core.store.filters import check_where
+from raptor_core.tokenizers import count_tokens
 from raptor_core.tree import Node, Tree
-from raptor_core.types import AsyncEmbedder, Embedder, NodeFilter, NodeStore, VectorIndex
+from raptor_core.types import (
+    AsyncEmbedder,
+    Embedder,
+    NodeFilter,
+    NodeStore,
+    Tokenizer,
+    VectorIndex,
+)
 
 __all__ = [
     "DEFAULT_K",
@@ -156,6 +170,96 @@ def _as_vector(vector: object, *, given: bool) -> NDArray[np.float32]:
             "for the query: its embed_query must return a 1-D array of floats"
         )
     raise EmbeddingError(msg)
+
+
+#: A hit whose text holds more UTF-8 bytes per recorded token than this is counted again
+#: with the tree's tokenizer before it is returned.  Text runs at about 1.5 to 5 bytes a
+#: token (CJK lowest, English about 4.5), so honest hits are almost never counted again; a
+#: count forged low, which would let a context overrun its budget, is caught.
+_BYTES_PER_TOKEN_CHECKED = 6
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, list[Tokenizer | None]] = weakref.WeakKeyDictionary()
+
+
+#: Encodings a tree file may name for the budget tokenizer (tiktoken's own; data, not code).
+_ENCODINGS = frozenset({"cl100k_base", "o200k_base", "p50k_base", "r50k_base"})
+
+
+def _tokenizer_from_record(record: object) -> Tokenizer | None:
+    """The tokenizer a tree's params describe, from a closed allowlist; else None.
+
+    A tree file is data: only raptor_core's own local tokenizers are re-created, with a
+    validated encoding name.  Anything else means passages are whole leaves only.
+    """
+    if not isinstance(record, Mapping):
+        return None
+    kind = record.get("class")
+    if kind == "raptor_core.tokenizers.TiktokenTokenizer":
+        encoding = record.get("encoding_name", "cl100k_base")
+        if encoding not in _ENCODINGS:
+            return None
+        from raptor_core.tokenizers import TiktokenTokenizer
+
+        return TiktokenTokenizer(str(encoding))
+    if kind == "raptor_core.tokenizers.RegexTokenizer":
+        from raptor_core.tokenizers import RegexTokenizer
+
+        return RegexTokenizer()
+    if kind == "raptor_core.testing.WhitespaceTokenizer":
+        from raptor_core.testing import WhitespaceTokenizer
+
+        return WhitespaceTokenizer()
+    return None
+
+
+def tree_tokenizer(tree: object) -> Tokenizer | None:
+    """The tokenizer a tree was built with, when its params name an allowlisted one.
+
+    A store that knows how its tree was built exposes the same ``params`` (the in-memory
+    store keeps the tree's; the adapters' stores read them back as descriptions).
+    """
+    params = getattr(tree, "params", None)
+    if not isinstance(params, Mapping):
+        return None
+    try:
+        cached = _TOKENIZERS.get(tree)
+    except TypeError:  # not weakly referenceable: no cache
+        cached = None
+    if cached is None:
+        try:
+            tokenizer = _tokenizer_from_record(params.get("tokenizer"))
+        except (ImportError, OSError, ValueError):
+            tokenizer = None  # e.g. tiktoken missing: passages are whole leaves only
+        cached = [tokenizer]
+        with contextlib.suppress(TypeError):  # not weakly referenceable: no cache
+            _TOKENIZERS[tree] = cached
+    return cached[0]
+
+
+def check_token_counts(nodes: Iterable[Node], tokenizer: Tokenizer | None) -> None:
+    """Raise TreeFormatError if a node's text has more tokens than it records.
+
+    Budgets are filled with the recorded counts; a tree or store written by someone else
+    could record fewer than its texts hold, and every context would overrun its budget.
+    Only texts longer than ``_BYTES_PER_TOKEN_CHECKED`` bytes per recorded token are
+    counted (honest ones never are, in practice), with the tokenizer the tree's params name;
+    without one (a tokenizer outside the allowlist) nothing can be checked.
+    """
+    if tokenizer is None:
+        return
+    for node in nodes:
+        recorded = int(node.token_count)
+        size = len(node.text.encode("utf-8", "surrogatepass"))
+        if size <= _BYTES_PER_TOKEN_CHECKED * recorded:
+            continue
+        actual = count_tokens(tokenizer, node.text)
+        if actual > recorded:
+            msg = (
+                f"node {node.id!r} records {recorded} tokens but its text has {actual}: the "
+                "tree (or the store holding it) was edited, or built with another tokenizer "
+                "than its params name, and a context would overrun its token budget; "
+                "rebuild it from its documents"
+            )
+            raise TreeFormatError(msg)
 
 
 def fill_budget(
@@ -384,6 +488,7 @@ class TreeRetriever(ABC):
             else normalize_query(embedding, self._dim(), given=True)
         )
         hits = self._retrieve(query, vector, k=k, max_tokens=max_tokens)
+        check_token_counts((hit.node for hit in hits), tree_tokenizer(self.tree))
         logger.debug("%s: %d hits for %r", type(self).__name__, len(hits), query[:80])
         return hits
 
@@ -403,7 +508,9 @@ class TreeRetriever(ABC):
             vector = await self.aembed_query(query)
         else:
             vector = normalize_query(embedding, self._dim(), given=True)
-        return await self._aretrieve(query, vector, k=k, max_tokens=max_tokens)
+        hits = await self._aretrieve(query, vector, k=k, max_tokens=max_tokens)
+        check_token_counts((hit.node for hit in hits), tree_tokenizer(self.tree))
+        return hits
 
     @abstractmethod
     def _retrieve(

@@ -50,7 +50,6 @@ QASPER evidence; growing the stronger side first made the cap a clear gain.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import weakref
@@ -68,8 +67,10 @@ from raptor_core.retrieval.base import (
     Hit,
     TreeRetriever,
     check_similarity,
+    check_token_counts,
     similarity_score,
     top_rows,
+    tree_tokenizer,
 )
 from raptor_core.retrieval.lexical import BM25Index
 from raptor_core.tree import Node, Tree, is_carried
@@ -188,7 +189,6 @@ class _Leaves:
 
 
 _LEAVES: weakref.WeakKeyDictionary[Any, _Leaves] = weakref.WeakKeyDictionary()
-_TOKENIZERS: weakref.WeakKeyDictionary[Any, list[Tokenizer | None]] = weakref.WeakKeyDictionary()
 
 
 def _stamp(store: NodeStore) -> tuple[int, object]:
@@ -210,61 +210,6 @@ def _leaves(store: NodeStore) -> _Leaves:
         cached = _Leaves.from_store(store)
         _LEAVES[store] = cached
     return cached
-
-
-#: Encodings a tree file may name for the budget tokenizer (tiktoken's own; data, not code).
-_ENCODINGS = frozenset({"cl100k_base", "o200k_base", "p50k_base", "r50k_base"})
-
-
-def _tokenizer_from_record(record: object) -> Tokenizer | None:
-    """The tokenizer a tree's params describe, from a closed allowlist; else None.
-
-    A tree file is data: only raptor_core's own local tokenizers are re-created, with a
-    validated encoding name.  Anything else means passages are whole leaves only.
-    """
-    if not isinstance(record, Mapping):
-        return None
-    kind = record.get("class")
-    if kind == "raptor_core.tokenizers.TiktokenTokenizer":
-        encoding = record.get("encoding_name", "cl100k_base")
-        if encoding not in _ENCODINGS:
-            return None
-        from raptor_core.tokenizers import TiktokenTokenizer
-
-        return TiktokenTokenizer(str(encoding))
-    if kind == "raptor_core.tokenizers.RegexTokenizer":
-        from raptor_core.tokenizers import RegexTokenizer
-
-        return RegexTokenizer()
-    if kind == "raptor_core.testing.WhitespaceTokenizer":
-        from raptor_core.testing import WhitespaceTokenizer
-
-        return WhitespaceTokenizer()
-    return None
-
-
-def tree_tokenizer(tree: object) -> Tokenizer | None:
-    """The tokenizer a tree was built with, when its params name an allowlisted one.
-
-    A store that knows how its tree was built exposes the same ``params`` (the in-memory
-    store keeps the tree's; the adapters' stores read them back as descriptions).
-    """
-    params = getattr(tree, "params", None)
-    if not isinstance(params, Mapping):
-        return None
-    try:
-        cached = _TOKENIZERS.get(tree)
-    except TypeError:  # not weakly referenceable: no cache
-        cached = None
-    if cached is None:
-        try:
-            tokenizer = _tokenizer_from_record(params.get("tokenizer"))
-        except (ImportError, OSError, ValueError):
-            tokenizer = None  # e.g. tiktoken missing: passages are whole leaves only
-        cached = [tokenizer]
-        with contextlib.suppress(TypeError):  # not weakly referenceable: no cache
-            _TOKENIZERS[tree] = cached
-    return cached[0]
 
 
 def _leaf_tokens_guess(tree: object) -> float:
@@ -684,6 +629,12 @@ class PassageRetriever(TreeRetriever):
         cap = None if max_tokens is None else float(self.max_share) * max_tokens
         selection = _Selection(tokens, order, max_tokens, k, allow_cut=tokenizer is not None)
         self._select(selection, ranked, order, tokens, cap)
+        # The selection was sized with the recorded counts: a count forged low is an error
+        # here, not passages silently dropped for overflowing once joined and counted.
+        chosen = [leaves.nodes[i] for i in np.flatnonzero(selection.taken).tolist()]
+        if selection.cut is not None:
+            chosen.append(leaves.nodes[selection.cut])
+        check_token_counts(chosen, tree_tokenizer(self.tree))
         passages = self._passages(selection, ranked.position, leaves.nodes, tokenizer, max_tokens)
         return [self._hit(p, ranked.cosine, leaves.nodes, depth) for p in passages]
 
