@@ -453,7 +453,7 @@ class TreeBuilder:
         # Components are duck-typed (Protocols): check the method each is called through, so
         # a wrong object fails here, before any embedding or summary is paid for.
         for name, method, example in (
-            ("tokenizer", "encode", "WhitespaceTokenizer() or TiktokenTokenizer()"),
+            ("tokenizer", "encode", "TiktokenTokenizer() or RegexTokenizer()"),
             ("chunker", "split", "SentenceChunker(tokenizer)"),
             ("clusterer", "cluster", "GMMClusterer()"),
         ):
