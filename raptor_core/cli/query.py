@@ -24,12 +24,17 @@ def hit_json(hit: Any) -> dict[str, Any]:
         "text": node.text,
         "doc_id": node.doc_id,
         "source": hit.source,
+        # The document's fields (a record's columns, an HTML title, a PDF page): what a
+        # citation needs.  Summaries carry those all their leaves share.
+        "metadata": dict(node.metadata),
     }
     if node.layer == 0:
         out["span"] = list(node.span) if node.span else None
     else:
         out["doc_ids"] = list(node.doc_ids)
         out["children"] = list(node.children)
+    if hit.leaves:
+        out["leaves"] = list(hit.leaves)
     if len(hit.path) > 1:
         out["path"] = list(hit.path)
     if hit.reason:

@@ -16,6 +16,7 @@ makes a file unreadable, never a document.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import fnmatch
 import io
@@ -64,7 +65,28 @@ def read_text(path: Path) -> str:
     return _decode(path.read_bytes(), path)
 
 
+#: Byte-order marks of the UTF-16 and UTF-32 text some editors (Windows Notepad, Excel's
+#: "Unicode text") write: such text is full of NUL bytes, so it is decoded before the
+#: binary check.  UTF-32's marks start with UTF-16's: they are tried first.
+_WIDE_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
+
+
 def _decode(data: bytes, path: Path) -> str:
+    for bom, encoding in _WIDE_BOMS:
+        if data.startswith(bom):
+            try:
+                return data.decode(encoding)
+            except UnicodeDecodeError as exc:
+                msg = (
+                    f"{path_text(path)} starts as {encoding.upper()} text but is not valid "
+                    f"{encoding.upper()} (byte {exc.start}): convert it to UTF-8 first"
+                )
+                raise InvalidInputError(msg) from exc
     # A NUL byte never occurs in UTF-8 text but in nearly every binary format.
     if b"\x00" in data[:65536]:
         msg = f"{path_text(path)} is a binary file, not text"
@@ -288,7 +310,16 @@ def _record_document(
         raise InvalidInputError(msg)
     # JSON may escape a lone surrogate (a \ud800 escape): not text, and unwritable later.
     check_unicode(json.dumps(record, ensure_ascii=False), where)
-    doc_id = str(record.get("doc_id", f"{path.stem}:{number}"))
+    doc_id = record.get("doc_id", f"{path.stem}:{number}")
+    if isinstance(doc_id, int) and not isinstance(doc_id, bool):
+        doc_id = str(doc_id)  # numeric ids are common in exports; the tree's ids are strings
+    if not isinstance(doc_id, str) or not doc_id:
+        msg = (
+            f"{where} has a doc_id that is not a non-empty string or integer "
+            f"({json.dumps(doc_id)[:40]}): give the record a unique id, or leave doc_id out "
+            f"to get {path.stem}:{number}"
+        )
+        raise InvalidInputError(msg)
     meta = {k: v for k, v in record.items() if k not in {text_field, "doc_id"} and _is_scalar(v)}
     # The user's own fields win: ours only fill keys the record does not have.
     meta.setdefault(RECORD_FILE_KEY, path_text(path))
@@ -386,17 +417,20 @@ def _folder_files(
     folder: Path, include: Sequence[str], exclude: Sequence[str], on_skip: SkipHandler
 ) -> Iterator[Path]:
     # A --glob that names a hidden entry (".github/*") is the only way in.
-    hidden = any(part.startswith(".") for p in include for part in p.split("/"))
-    for path in _walk(folder, hidden=hidden):
+    hidden_patterns = [p for p in include if any(part.startswith(".") for part in p.split("/"))]
+    for path in _walk(folder, hidden=bool(hidden_patterns)):
         relative = path.relative_to(folder).as_posix()
         if not path.is_file() or _matches(relative, exclude):
             continue
+        is_hidden = any(part.startswith(".") for part in path.relative_to(folder).parts)
         if include:
-            # Files the patterns leave out were left out on purpose: not reported.
-            if _matches(relative, include):
+            # Files the patterns leave out were left out on purpose: not reported.  A hidden
+            # file is read only when a pattern that names a hidden entry selects it:
+            # "*.txt" does not name ".notes.txt", ".*.txt" does.
+            if _matches(relative, hidden_patterns if is_hidden else include):
                 yield path
             continue
-        if any(part.startswith(".") for part in path.relative_to(folder).parts):
+        if is_hidden:
             continue  # .git, .venv, editor files: never the user's documents
         if path.suffix.lower() in READERS:
             yield path
@@ -443,15 +477,58 @@ def read_documents(
                     # The messages start with the file's name, which the report shows already.
                     reason = str(exc).removeprefix(path_text(file)).lstrip(" :")
                     skip(file, reason)
+                except OSError as exc:  # permission denied, an I/O error: the rest goes on
+                    skip(file, _os_reason(exc))
             if not found:
                 msg = f"{path_text(path)} holds no file that could be read"
                 raise InvalidInputError(msg)
         elif path.is_file():
-            docs.extend(_read_file(path, text_field))
+            try:
+                docs.extend(_read_file(path, text_field))
+            except OSError as exc:
+                # A file the user named: their input is wrong (exit status 2), not the work.
+                msg = f"{path_text(path)} cannot be read: {_os_reason(exc)}"
+                raise InvalidInputError(msg) from exc
         else:
             msg = f"{path_text(path)} does not exist"
             raise InvalidInputError(msg)
+    _check_unique_ids(docs)
     return docs
+
+
+def _os_reason(exc: OSError) -> str:
+    """Why a file could not be read, in words (``strerror``), and what to do."""
+    reason = (exc.strerror or type(exc).__name__).lower()
+    return f"{reason}: check the file and its permissions"
+
+
+def _check_unique_ids(docs: Sequence[Document]) -> None:
+    """Two inputs giving one document id, named by where they came from.
+
+    The builder refuses duplicates too, but knows nothing of files: records of two files with
+    the same name in different folders (``a/notes.jsonl`` and ``b/notes.jsonl``) get the
+    same default ids.
+    """
+    seen: dict[str, Document] = {}
+    for doc in docs:
+        first = seen.setdefault(doc.doc_id, doc)
+        if first is doc:
+            continue
+        where = [
+            str(d.metadata.get(RECORD_FILE_KEY) or d.metadata.get("source") or "?")
+            for d in (first, doc)
+        ]
+        if where[0] == where[1]:
+            msg = (
+                f"{where[0]} is read twice (named twice, or inside two folders given): name "
+                "each file once"
+            )
+        else:
+            msg = (
+                f"{where[0]} and {where[1]} both give the document id {doc.doc_id!r}: give "
+                "the records a doc_id field, or build the two files separately"
+            )
+        raise InvalidInputError(msg)
 
 
 def _read_file(path: Path, text_field: str) -> list[Document]:

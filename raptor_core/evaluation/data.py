@@ -69,11 +69,18 @@ def _records(path: str | os.PathLike[str]) -> Iterator[tuple[str, dict[str, Any]
     if not file.is_file():
         msg = f"{file} does not exist or is not a file"
         raise InvalidInputError(msg)
-    with file.open(encoding="utf-8-sig") as handle:
-        for lineno, line in enumerate(handle, 1):
+    with file.open("rb") as handle:
+        for lineno, raw in enumerate(handle, 1):
+            where = f"{file}:{lineno}"
+            try:
+                # Decoded line by line, so that a file in another encoding is reported
+                # where it goes wrong (a text-mode read fails somewhere inside the loop).
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                msg = f"{where} is not valid UTF-8 (byte {exc.start}): convert the file to UTF-8"
+                raise InvalidInputError(msg) from exc
             if not line.strip():
                 continue
-            where = f"{file}:{lineno}"
             try:
                 record = json.loads(line)
             except (ValueError, RecursionError) as exc:  # bad JSON, too deep, too many digits

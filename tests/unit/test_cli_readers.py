@@ -260,3 +260,83 @@ def test_hidden_folders_are_not_walked(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(os, "walk", spy)
     assert [d.text for d in read_documents([str(folder)])] == ["read me"]
     assert walked == ["docs"]  # .venv was pruned, not entered
+
+
+# -- the end-to-end audit's cases ---------------------------------------------------------------
+def test_a_folder_file_the_system_refuses_is_skipped_and_the_rest_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "ok.txt").write_text("readable text")
+    (folder / "secret.txt").write_text("never read")
+    read_bytes = Path.read_bytes
+
+    def refuse(path: Path) -> bytes:  # chmod 000 does not stop root: refuse by hand
+        if path.name == "secret.txt":
+            raise PermissionError(13, "Permission denied", str(path))
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    skipped: list[tuple[str, str]] = []
+    docs = read_documents([str(folder)], on_skip=lambda p, why: skipped.append((p.name, why)))
+    assert [d.text for d in docs] == ["readable text"]
+    assert skipped == [("secret.txt", "permission denied: check the file and its permissions")]
+    # Named, the same file is the user's input error (exit status 2), naming the file.
+    with pytest.raises(InvalidInputError, match=r"secret\.txt cannot be read: permission denied"):
+        read_documents([str(folder / "secret.txt")])
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_wide_unicode_text_with_a_byte_order_mark_is_text(tmp_path: Path, encoding: str) -> None:
+    path = tmp_path / "notes.txt"
+    bom = {"utf-16-be": b"\xfe\xff"}.get(encoding, b"")
+    path.write_bytes(bom + "Caf\u00e9 notes, line one.\nLine two.".encode(encoding))
+    [doc] = read_documents([str(path)])
+    assert doc.text == "Caf\u00e9 notes, line one.\nLine two."
+
+
+def test_utf16_without_its_bom_is_still_binary(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_bytes("plain words".encode("utf-16-le"))  # NUL bytes and no mark
+    with pytest.raises(InvalidInputError, match="binary"):
+        read_documents([str(path)])
+
+
+def test_a_glob_reads_hidden_files_only_when_it_names_them(tmp_path: Path) -> None:
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / ".draft.txt").write_text("hidden draft")
+    (folder / "final.txt").write_text("final text")
+    assert [d.text for d in read_documents([str(folder)], include=["*.txt"])] == ["final text"]
+    got = read_documents([str(folder)], include=["*.txt", ".*.txt"])
+    assert sorted(d.text for d in got) == ["final text", "hidden draft"]
+
+
+@pytest.mark.parametrize("value", ["null", '""', "[1]", "true", "1.5"])
+def test_a_record_doc_id_must_be_a_string_or_an_integer(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "notes.jsonl"
+    path.write_text('{"text": "fine"}\n{"doc_id": %s, "text": "Gamma."}\n' % value)  # noqa: UP031
+    with pytest.raises(InvalidInputError, match=r"notes\.jsonl:2 has a doc_id that is not"):
+        read_documents([str(path)])
+
+
+def test_an_integer_record_id_is_written_as_a_string(tmp_path: Path) -> None:
+    path = tmp_path / "notes.jsonl"
+    path.write_text('{"doc_id": 7, "text": "Seven."}\n')
+    assert [d.doc_id for d in read_documents([str(path)])] == ["7"]
+
+
+def test_two_files_giving_one_id_are_named(tmp_path: Path) -> None:
+    for folder in ("r1", "r2"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "notes.jsonl").write_text('{"text": "Alpha."}\n')
+    with pytest.raises(InvalidInputError, match=r"r1/notes\.jsonl and .*r2/notes\.jsonl both"):
+        read_documents([str(tmp_path / "r1"), str(tmp_path / "r2")])
+
+
+def test_a_file_named_twice_is_said_so(tmp_path: Path) -> None:
+    path = tmp_path / "bees.txt"
+    path.write_text("Bees dance.")
+    with pytest.raises(InvalidInputError, match=r"bees\.txt is read twice"):
+        read_documents([str(path), str(path)])

@@ -87,3 +87,18 @@ def test_readers_still_read_good_json(tmp_path: Path) -> None:
     assert [d.doc_id for d in load_documents(path)] == ["a"]
     node = Node(id="a", text="cats purr", layer=0, token_count=2, doc_id="d", span=(0, 9))
     assert node_from_metadata("a", node.text, node_metadata(node)) == node
+
+
+def test_evaluation_jsonl_not_in_utf8_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "questions.jsonl"
+    path.write_bytes(
+        b'{"doc_id": "a", "text": "x"}\n' + '{"doc_id": "caf\u00e9"}\n'.encode("latin-1")
+    )
+    with pytest.raises(InvalidInputError, match=r"questions\.jsonl:2 is not valid UTF-8"):
+        load_documents(path)
+
+
+def test_evaluation_jsonl_keeps_its_byte_order_mark_tolerance(tmp_path: Path) -> None:
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"doc_id": "a", "text": "x"}\r\n')
+    assert [d.doc_id for d in load_documents(path)] == ["a"]

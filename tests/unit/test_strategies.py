@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -203,6 +204,26 @@ def test_cli_query_strategies(tree_dir: str, capsys, flags: list[str], source: s
     assert main(["query", tree_dir, "cats purr", "--json", *flags]) == 0
     hits = json.loads(capsys.readouterr().out)
     assert hits and {h["source"] for h in hits} == {source}
+
+
+def test_cli_json_hits_carry_their_documents_metadata(tmp_path, tree: Tree, capsys) -> None:
+    nodes = tuple(
+        dataclasses.replace(n, metadata={"title": f"doc of {n.id}"}) if n.layer == 0 else n
+        for n in tree.nodes
+    )
+    described = Tree(
+        nodes=nodes,
+        embeddings=tree.embeddings,
+        params={"embedder": {"class": "raptor_core.testing.FakeEmbedder", "dim": tree.dim}},
+    )
+    path = str(described.save(tmp_path / "tree"))
+    assert main(["query", path, "cats purr", "--json", "--strategy", "collapsed"]) == 0
+    hits = json.loads(capsys.readouterr().out)
+    leaf_hits = [h for h in hits if h["layer"] == 0]
+    assert leaf_hits
+    for hit in leaf_hits:
+        assert hit["metadata"] == {"title": f"doc of {hit['id']}"}
+        assert set(hit) >= {"id", "layer", "score", "text", "doc_id", "source", "span"}
 
 
 def test_cli_traversal_shows_paths(tree_dir: str, capsys) -> None:
