@@ -298,7 +298,10 @@ def _positive_int(value: object, limit: int) -> int | None:
 
 def _read_meta(directory: Path) -> dict[str, Any]:
     """The validated ``raptor-onnx.json`` of an export directory (data: nothing else is taken)."""
-    fix = "write it with raptor_core.backends.onnx.export_onnx"
+    fix = (
+        f"write it with `raptor export-onnx --out {directory}` "
+        "(raptor_core.backends.onnx.export_onnx)"
+    )
     missing = [n for n in ("model.onnx", "tokenizer.json", _META) if not (directory / n).is_file()]
     if missing:
         msg = f"{directory} is not an ONNX export (missing {', '.join(missing)}): {fix}"

@@ -52,9 +52,23 @@ def make_embedder(
     if provider == "onnx":
         from raptor_core.backends.onnx import OnnxEmbedder
 
+        if not Path(model).expanduser().is_dir():
+            msg = (
+                f"--embedder onnx:{model}: no such directory: write an export there with "
+                f"`raptor export-onnx --out {model}`"
+            )
+            raise InvalidParameterError(msg)
         return OnnxEmbedder(model)
     from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
 
+    # A hub name ("org/name") and a relative folder look alike; a path written as one (from
+    # the root, the home folder or the current folder) that is not there is a typing error.
+    if model.startswith(("/", "~", "./", "../")) and not Path(model).expanduser().exists():
+        msg = (
+            f"--embedder {model}: no such file or directory: give the folder of a "
+            "sentence-transformers model, or a model name"
+        )
+        raise InvalidParameterError(msg)
     return SentenceTransformerEmbedder(model)
 
 

@@ -432,3 +432,25 @@ def test_help_and_success_still_work(tree_dir: Path) -> None:
     assert run("--help").returncode == 0
     proc = run("query", str(tree_dir), "bread dough", "-k", "1")
     assert proc.returncode == 0 and b"Bakers" in proc.stdout
+
+
+# -- embedders named on the command line ---------------------------------------------------------
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("onnx:{tmp}/nowhere", "no such directory: write an export there with `raptor export-onnx"),
+        ("{tmp}/no-model", "no such file or directory: give the folder of a sentence-transformers"),
+    ],
+)
+def test_an_embedder_path_that_is_not_there_is_a_usage_error(
+    tree_dir: Path, tmp_path: Path, spec: str, message: str
+) -> None:
+    proc = run("query", str(tree_dir), "cats", "--embedder", spec.format(tmp=tmp_path))
+    assert message in one_line_error(proc, 2)
+
+
+def test_a_folder_that_is_no_onnx_export_says_how_to_write_one(
+    tree_dir: Path, tmp_path: Path
+) -> None:
+    proc = run("query", str(tree_dir), "cats", "--embedder", f"onnx:{tmp_path}")
+    assert f"raptor export-onnx --out {tmp_path}" in one_line_error(proc, 1)
