@@ -10,6 +10,7 @@ repeated pays only for what it had not received.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from raptor_core.cli.build import (
     print_spend,
     read_inputs,
 )
-from raptor_core.exceptions import InvalidParameterError
+from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 
 __all__ = ["add_parsers", "run_change"]
 
@@ -102,6 +103,8 @@ def run_change(args: argparse.Namespace) -> int:
     op = args.command
     # Read and check every input before any model is loaded or called.
     docs = read_inputs(args, args.inputs) if op in {"add", "update"} else None
+    if docs is not None:
+        _check_same_files(tree, docs)
     budget_from_args(args)  # a flag mistake fails before any model is loaded
     show = sys.stderr.isatty() and not args.quiet and not args.no_progress
     cache = BuildCache(directory / ".raptor-cache")
@@ -118,11 +121,73 @@ def run_change(args: argparse.Namespace) -> int:
         cache.close()
     if result.report.changed:
         result.tree.save(directory)
+    if op == "update" and docs is not None:
+        _note_files_gone(args, tree, docs)
     if args.quiet:
         return 0
     _print_report(directory, op, result, time.perf_counter() - started)
     print_spend(bars)
     return 0
+
+
+def _file_documents(tree: Any) -> dict[str, str]:
+    """The tree's documents read from files that still exist, by their real path."""
+    known: dict[str, str] = {}
+    for doc_id in tree.doc_ids:
+        if os.path.isfile(doc_id):
+            known.setdefault(os.path.realpath(doc_id), doc_id)
+    return known
+
+
+def _check_same_files(tree: Any, docs: list[Any]) -> None:
+    """Refuse a file the tree holds already under another spelling of its path.
+
+    A file's document id is its path as given (``ud/bees.txt``); the same file given as
+    ``/home/me/ud/bees.txt`` or ``ud/../ud/bees.txt`` would be added a second time instead
+    of replacing the first.
+    """
+    have = set(tree.doc_ids)
+    known: dict[str, str] | None = None
+    for doc in docs:
+        if doc.doc_id in have or doc.metadata.get("source") != doc.doc_id:
+            continue  # a known id, or a record (its id is not a path)
+        if known is None:
+            known = _file_documents(tree)
+        same = known.get(os.path.realpath(doc.doc_id))
+        if same is not None:
+            msg = (
+                f"{doc.doc_id} is the tree's document {same!r} under another path: pass it "
+                f"as {same} so that it is replaced, not added a second time"
+            )
+            raise InvalidInputError(msg)
+
+
+def _note_files_gone(args: argparse.Namespace, tree: Any, docs: list[Any]) -> None:
+    """Say which documents under an updated folder have no file any more.
+
+    ``update`` adds and replaces; it never removes.  A file deleted from a folder would
+    otherwise stay in the tree with no word, and the tree would look in step with the folder.
+    """
+    read = {doc.doc_id for doc in docs}
+    for raw in args.inputs:
+        if not Path(raw).is_dir():
+            continue
+        prefix = path_text(Path(raw)).rstrip("/") + "/"
+        gone = sorted(
+            doc_id
+            for doc_id in tree.doc_ids
+            if doc_id.startswith(prefix) and doc_id not in read and not os.path.exists(doc_id)
+        )
+        if gone:
+            shown = " ".join(gone[:3]) + (" ..." if len(gone) > 3 else "")
+            print(
+                safe(
+                    f"raptor update: note: {len(gone)} document(s) of the tree under {prefix} "
+                    f"have no file any more; update never removes: raptor remove "
+                    f"{path_text(Path(args.tree))} {shown}"
+                ),
+                file=sys.stderr,
+            )
 
 
 def _print_report(directory: Path, op: str, result: Any, seconds: float) -> None:

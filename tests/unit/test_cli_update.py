@@ -115,3 +115,26 @@ def test_a_directory_without_a_tree_is_refused(tmp_path: Path) -> None:
     proc = run("add", str(tmp_path / "nothing"), str(tmp_path / "a.txt"))
     assert proc.returncode == 2
     assert "holds no tree" in proc.stderr and "raptor build" in proc.stderr
+
+
+def test_the_same_file_by_another_path_is_refused(setup: tuple[Path, Path]) -> None:
+    """The tree knows docs/cats.txt by its absolute path; docs/../docs/cats.txt is that file."""
+    tree_dir, files = setup
+    saved = (tree_dir / "tree.json").read_bytes()
+    other = files / ".." / files.name / "cats.txt"
+    proc = run("update", str(tree_dir), str(other), "--no-progress")
+    assert proc.returncode == 2, proc.stderr
+    assert f"is the tree's document {str(files / 'cats.txt')!r} under another path" in proc.stderr
+    assert (tree_dir / "tree.json").read_bytes() == saved
+
+
+def test_update_of_a_folder_names_documents_whose_file_is_gone(setup: tuple[Path, Path]) -> None:
+    tree_dir, files = setup
+    (files / "rockets.txt").unlink()
+    proc = run("update", str(tree_dir), str(files), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "1 added" in proc.stdout  # bread.txt; cats.txt unchanged
+    note = f"1 document(s) of the tree under {files}/ have no file any more"
+    assert note in proc.stderr
+    assert f"raptor remove {tree_dir} {files / 'rockets.txt'}" in proc.stderr
+    assert str(files / "rockets.txt") in Tree.load(tree_dir).doc_ids  # noted, not removed
