@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,6 +81,8 @@ _NEEDS_LLM = frozenset({"llm", "hybrid"})
 #: The metadata key LangChain's text splitters write with ``add_start_index=True``: where
 #: the split starts in the document it was cut from.
 START_INDEX_KEY = "start_index"
+#: Seconds between an async update's tries of the update lock while another update holds it.
+_UPDATE_POLL_S = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +94,37 @@ class _Plan:
     k: int
     max_tokens: int | None
     score_threshold: float | None
+
+
+class _UpdateLock:
+    """The lock serialising a retriever's updates; a pickled or copied retriever gets its own.
+
+    A ``threading.Lock`` cannot be pickled or deep-copied, and a retriever is (LangChain's
+    serialisers, ``copy.deepcopy``): the copy, with its own tree, gets a new unlocked lock.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def __reduce__(self) -> tuple[type[_UpdateLock], tuple[()]]:
+        return (_UpdateLock, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _UpdateLock:
+        return _UpdateLock()
 
 
 def _check_threshold(value: object) -> float:
@@ -387,6 +423,10 @@ class RaptorRetriever(BaseRetriever):
     _embedder_cache: tuple[Any, Embedder] | None = PrivateAttr(default=None)
     _store_cache: tuple[Any, Any, Any, LangChainNodeStore] | None = PrivateAttr(default=None)
     _tree_builder: TreeBuilder | None = PrivateAttr(default=None)
+    # Held by an update (add_documents, delete and their async forms) from reading the tree
+    # to writing it back: two updates reading the same tree would each write back their own
+    # change only, and one would be lost (see _updating for the async side).
+    _update_lock: _UpdateLock = PrivateAttr(default_factory=_UpdateLock)
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -605,16 +645,18 @@ class RaptorRetriever(BaseRetriever):
                 unknown keyword.
             InvalidInputError: an empty, binary or duplicate document (nothing is paid).
         """
-        tree, docs = self._prepare_add(documents, kwargs)
-        result = self._update_builder(tree).insert(tree, docs)
-        self._commit(tree, result)
+        with self._update_lock:
+            tree, docs = self._prepare_add(documents, kwargs)
+            result = self._update_builder(tree).insert(tree, docs)
+            self._commit(tree, result)
         return [d.doc_id for d in docs]
 
     async def aadd_documents(self, documents: Sequence[Document], **kwargs: Any) -> list[str]:
         """Async :meth:`add_documents`: summaries and embeddings use the models' async APIs."""
-        tree, docs = await run_in_executor(None, self._prepare_add, documents, kwargs)
-        result = await self._update_builder(tree).ainsert(tree, docs)
-        await run_in_executor(None, self._commit, tree, result)
+        async with self._updating():
+            tree, docs = await run_in_executor(None, self._prepare_add, documents, kwargs)
+            result = await self._update_builder(tree).ainsert(tree, docs)
+            await run_in_executor(None, self._commit, tree, result)
         return [d.doc_id for d in docs]
 
     def delete(self, ids: Sequence[str] | None = None, **kwargs: Any) -> bool:
@@ -626,16 +668,39 @@ class RaptorRetriever(BaseRetriever):
             InvalidParameterError: no ids, an unknown id, or an unknown keyword.
             InvalidInputError: the ids are every document of the tree.
         """
-        tree, gone = self._prepare_delete(ids, kwargs)
-        self._commit(tree, self._update_builder(tree).delete(tree, gone))
+        with self._update_lock:
+            tree, gone = self._prepare_delete(ids, kwargs)
+            self._commit(tree, self._update_builder(tree).delete(tree, gone))
         return True
 
     async def adelete(self, ids: Sequence[str] | None = None, **kwargs: Any) -> bool:
         """Async :meth:`delete`."""
-        tree, gone = await run_in_executor(None, self._prepare_delete, ids, kwargs)
-        result = await self._update_builder(tree).adelete(tree, gone)
-        await run_in_executor(None, self._commit, tree, result)
+        async with self._updating():
+            tree, gone = await run_in_executor(None, self._prepare_delete, ids, kwargs)
+            result = await self._update_builder(tree).adelete(tree, gone)
+            await run_in_executor(None, self._commit, tree, result)
         return True
+
+    @contextlib.asynccontextmanager
+    async def _updating(self) -> AsyncIterator[None]:
+        """Hold the update lock for an async update, without blocking the event loop.
+
+        The same ``threading.Lock`` as the sync updates, so async and sync updates, from any
+        thread or event loop, exclude one another.  It is tried without blocking and retried
+        after a short sleep: waiting for it in an executor thread instead would leave the
+        lock taken by a thread nobody releases it from when the waiting task is cancelled,
+        and waiters filling the executor would starve the holder's own executor steps (a
+        deadlock); an ``asyncio.Lock`` belongs to one event loop and does not exclude sync
+        callers.  An update takes far longer than the sleep, so the polling costs nothing
+        measurable.
+        """
+        lock = self._update_lock
+        while not lock.acquire(blocking=False):
+            await asyncio.sleep(_UPDATE_POLL_S)
+        try:
+            yield
+        finally:
+            lock.release()
 
     def _current_tree(self) -> Tree:
         if self.tree is not None:
