@@ -212,15 +212,28 @@ class InMemoryDialect:
         return [r for r in rows if native is None or native(r.document)]
 
     def query(self, vector: NDArray[np.float32], m: int, *, native: Any) -> list[Row]:
-        """The store's own cosine search; the stored vectors are looked up by id."""
+        """The store's own cosine search, with the vectors it ranked.
+
+        The search ranks a snapshot of the store's dictionary; a delete running meanwhile
+        (another thread updating the tree) may remove a found entry from the live one.  So
+        the vectors come from the search itself (``_similarity_search_with_score_by_vector``
+        returns ``(document, score, vector)``), never from a second lookup by id; where the
+        store lacks that method, found entries that have gone since are left out.
+        """
+        search = getattr(self.vectorstore, "_similarity_search_with_score_by_vector", None)
+        if search is not None:
+            triples = search(vector.tolist(), k=m, filter=native)
+            return [Row(doc, np.asarray(vec, dtype=np.float32)) for doc, _, vec in triples]
         found = self.vectorstore.similarity_search_with_score_by_vector(
             vector.tolist(), k=m, filter=native
         )
         entries = self.vectorstore.store
-        return [
-            Row(doc, np.asarray(entries[str(doc.id)]["vector"], dtype=np.float32))
-            for doc, _ in found
-        ]
+        rows = []
+        for doc, _ in found:
+            entry = entries.get(str(doc.id))
+            if entry is not None:
+                rows.append(Row(doc, np.asarray(entry["vector"], dtype=np.float32)))
+        return rows
 
     def delete(self, ids: Sequence[str]) -> None:
         """Remove entries (unknown ids are ignored by the store)."""

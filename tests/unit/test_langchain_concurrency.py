@@ -1,4 +1,4 @@
-"""The LangChain adapter under concurrent use: updates racing updates.
+"""The LangChain adapter under concurrent use: updates racing updates, searches racing deletes.
 
 No timing: each race is forced with events at the point where it does harm.
 """
@@ -10,6 +10,7 @@ import copy
 import pickle
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ from raptor_core.testing import (
     tiny_tree,
 )
 from raptor_core.tree import Tree
-from raptor_langchain import LangChainNodeStore, RaptorEmbeddings, RaptorRetriever
+from raptor_langchain import InMemoryDialect, LangChainNodeStore, RaptorEmbeddings, RaptorRetriever
 
 DIM = 32
 TEXTS = {
@@ -193,3 +194,56 @@ def test_a_copied_retriever_has_its_own_unlocked_update_lock() -> None:
         assert copied._update_lock is not lock
         assert copied._update_lock.acquire(blocking=False)
         copied._update_lock.release()
+
+
+# -- a search racing a delete ----------------------------------------------------------------
+class DeletedAfterSearch(InMemoryVectorStore):
+    """Loses its nearest entry right after a search ranked the snapshot (a racing delete)."""
+
+    def _similarity_search_with_score_by_vector(
+        self, embedding: list[float], k: int = 4, filter: Any = None
+    ) -> list[tuple[Document, float, list[float]]]:
+        found = super()._similarity_search_with_score_by_vector(embedding, k, filter)
+        if found:
+            self.store.pop(str(found[0][0].id), None)
+        return found
+
+
+class DeletedAfterPublicSearch(InMemoryVectorStore):
+    """The same, for a store without the search returning vectors (the fallback)."""
+
+    _similarity_search_with_score_by_vector = None  # type: ignore[assignment]
+
+    def similarity_search_with_score_by_vector(
+        self, embedding: list[float], k: int = 4, filter: Any = None, **kwargs: Any
+    ) -> list[tuple[Document, float]]:
+        found = InMemoryVectorStore._similarity_search_with_score_by_vector(
+            self, embedding, k, filter
+        )
+        if found:
+            self.store.pop(str(found[0][0].id), None)
+        return [(doc, score) for doc, score, _ in found]
+
+
+@pytest.mark.parametrize(
+    ("store_class", "kept"), [(DeletedAfterSearch, 3), (DeletedAfterPublicSearch, 2)]
+)
+def test_a_search_racing_a_delete_returns_what_is_left(
+    store_class: type[InMemoryVectorStore], kept: int
+) -> None:
+    embedder = FakeEmbedder(DIM)
+    vectorstore = store_class(RaptorEmbeddings(embedder))
+    LangChainNodeStore(vectorstore).add_tree(tiny_tree(DIM))
+    stored = {key: list(entry["vector"]) for key, entry in vectorstore.store.items()}
+    query = embedder.embed_query("cats and kittens")
+
+    rows = InMemoryDialect(vectorstore).query(query, 3, native=None)
+    # With the search's own vectors the snapshot's hits all come back, each with the vector
+    # it was ranked by; without them the entry that went is left out.
+    assert len(rows) == kept
+    for row in rows:
+        assert row.vector is not None
+        assert row.vector.tolist() == pytest.approx(stored[str(row.document.id)])
+
+    retriever = RaptorRetriever(vectorstore=vectorstore, embeddings=embedder, strategy="collapsed")
+    assert retriever.invoke("rockets and orbit", k=2)  # no KeyError from the lost entry
