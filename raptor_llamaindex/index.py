@@ -39,7 +39,7 @@ from llama_index.core.storage.docstore.types import RefDocInfo
 from llama_index.core.storage.storage_context import StorageContext
 
 from raptor_core.build.builder import ProgressCallback, TreeBuilder, describe
-from raptor_core.build.incremental import TreeUpdate, UpdateReport
+from raptor_core.build.incremental import UpdateReport
 from raptor_core.build.rejoin import Rejoined, join_pages
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
 from raptor_core.store._format import MAX_DIM
@@ -742,11 +742,15 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             else:
                 reports = []
                 builder = self._builder(progress)
+                new = tree
                 for op, items in self._steps(tree, write, delete):
-                    result = update_tree(builder, op, tree, items)
-                    self._apply(result, docs if keep_docs else None)
-                    tree = result.tree
+                    result = update_tree(builder, op, new, items)
+                    new = result.tree
                     reports.append(result.report)
+                # Written once every step succeeded: a model failing in a later step (a
+                # joined document deleted, then re-inserted) leaves store and struct as
+                # they were, so the same call can be retried.
+                self._apply(new, reports, docs if keep_docs else None)
         finally:
             if progress is not None:
                 progress.close()
@@ -770,11 +774,13 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             else:
                 reports = []
                 builder = self._builder(progress)
+                new = tree
                 for op, items in self._steps(tree, write, delete):
-                    result = await aupdate_tree(builder, op, tree, items)
-                    await asyncio.to_thread(self._apply, result, docs if keep_docs else None)
-                    tree = result.tree
+                    result = await aupdate_tree(builder, op, new, items)
+                    new = result.tree
                     reports.append(result.report)
+                # As _update: nothing is written before every step succeeded.
+                await asyncio.to_thread(self._apply, new, reports, docs if keep_docs else None)
         finally:
             if progress is not None:
                 progress.close()
@@ -794,15 +800,33 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             steps.append(("update" if replaces else "insert", write))
         return steps
 
-    def _apply(self, result: TreeUpdate, docs: list[Document] | None) -> None:
-        """Write one incremental update into the vector store: only what its report names."""
-        tree, report = result.tree, result.report
+    def _apply(
+        self, tree: Tree, reports: Sequence[UpdateReport], docs: list[Document] | None
+    ) -> None:
+        """Write the core steps of one update into the vector store: only what they name.
+
+        ``tree`` is the tree after the last step.  A node one step removes may come back in a
+        later one (same id) and one a step adds may go in the next: each named node is
+        written if ``tree`` holds it and deleted otherwise.
+        """
         # Kept nodes whose parents changed are rewritten too: the store keeps PARENT links.
-        write = [*report.nodes_added, *report.nodes_changed, *report.nodes_relinked]
+        named = dict.fromkeys(
+            node_id
+            for report in reports
+            for ids in (
+                report.nodes_added,
+                report.nodes_changed,
+                report.nodes_relinked,
+                report.nodes_removed,
+            )
+            for node_id in ids
+        )
+        write = [i for i in named if i in tree]
         if write:
             self._store.add([tree.node(i) for i in write], tree.embeddings[tree.rows(write)])
-        if report.nodes_removed:
-            self._store.delete(list(report.nodes_removed))
+        gone = [i for i in named if i not in tree]
+        if gone:
+            self._store.delete(gone)
         self._save_struct(tree, docs)
 
     def _after_update(self, added: Sequence[Any], removed: Sequence[str]) -> None:
