@@ -40,7 +40,7 @@ from llama_index.core.storage.storage_context import StorageContext
 
 from raptor_core.build.builder import ProgressCallback, TreeBuilder, describe
 from raptor_core.build.incremental import UpdateReport
-from raptor_core.build.rejoin import Rejoined, join_pages
+from raptor_core.build.rejoin import Rejoined, continues, join_pages
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
 from raptor_core.store._format import MAX_DIM
 from raptor_core.store.codec import MAX_LAYERS, checked_layer_sizes, tree_layer_sizes
@@ -1348,9 +1348,28 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
 
 
 def _in_place(docs: Sequence[Document], current: Sequence[Document]) -> list[Document]:
-    """``docs`` with each document that replaces one of ``current`` (same id) at its place."""
-    place = {d.doc_id: i for i, d in enumerate(current)}
-    order = sorted(range(len(docs)), key=lambda j: (place.get(docs[j].doc_id, len(current)), j))
+    """``docs`` with each page at the place where it joins its file.
+
+    A document that replaces one of ``current`` (same id) keeps that one's place.  A new
+    page that continues a page already placed (the next page of a file, inserted later)
+    goes right after it, wherever that file sits among the index's documents: pages are
+    joined only when they follow each other.  Other new documents go at the end.
+    """
+    place: dict[str, float] = {d.doc_id: float(i) for i, d in enumerate(current)}
+    end = float(len(current))
+    placed = [d for d in current if d.doc_id in place]
+    key: dict[int, float] = {}
+    for j, doc in enumerate(docs):
+        if doc.doc_id in place:
+            key[j] = place[doc.doc_id]
+            continue
+        # The latest placed page this one continues (a page and the one after it, both
+        # new, chain: the second follows the first).
+        before = next((p for p in reversed(placed) if continues(p, doc)), None)
+        key[j] = end if before is None else place[before.doc_id]
+        place[doc.doc_id] = key[j]
+        placed.append(doc)
+    order = sorted(range(len(docs)), key=lambda j: (key[j], j))
     return [docs[j] for j in order]
 
 

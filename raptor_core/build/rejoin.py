@@ -23,7 +23,15 @@ from dataclasses import dataclass
 
 from raptor_core.types import Document, Segment
 
-__all__ = ["MAX_GAP", "PAGE_KEYS", "Rejoined", "join_pages", "rejoin_splits", "split_start"]
+__all__ = [
+    "MAX_GAP",
+    "PAGE_KEYS",
+    "Rejoined",
+    "continues",
+    "join_pages",
+    "rejoin_splits",
+    "split_start",
+]
 
 #: The most characters two consecutive splits may leave between them and still be joined.
 #: Splitters strip the whitespace at a split's ends (a paragraph break, an indent): that is
@@ -232,6 +240,32 @@ def _page_number(doc: Document, keys: Sequence[str]) -> tuple[str, int] | None:
     return None
 
 
+def _page_of(
+    doc: Document, keys: tuple[str, ...]
+) -> tuple[tuple[str, int] | None, dict[str, object]]:
+    """``doc``'s page number (None: not a page) and its metadata without the page keys."""
+    doc_keys = _keys_of(doc, keys)
+    number = None if doc.chunk_of is not None or doc.segments else _page_number(doc, doc_keys)
+    return number, {k: v for k, v in doc.metadata.items() if k not in doc_keys}
+
+
+def continues(previous: Document, page: Document, *, page_keys: Sequence[str] = PAGE_KEYS) -> bool:
+    """Whether ``page`` is the page after ``previous`` of the same source (see join_pages).
+
+    Its metadata without the page keys is ``previous``'s, and not empty (something must name
+    the source), and it is numbered one more by the same key.
+    """
+    keys = tuple(page_keys)
+    before, before_rest = _page_of(previous, keys)
+    number, rest = _page_of(page, keys)
+    return (
+        before is not None
+        and number == (before[0], before[1] + 1)
+        and bool(rest)
+        and rest == before_rest
+    )
+
+
 def join_pages(
     documents: Sequence[Document], *, page_keys: Sequence[str] = PAGE_KEYS, separator: str = "\n"
 ) -> list[Rejoined]:
@@ -266,20 +300,12 @@ def join_pages(
     """
     keys = tuple(page_keys)
     runs: list[list[int]] = []
-    run_rest: dict[str, object] = {}  # the metadata, without page keys, of the last run
-    previous: tuple[str, int] | None = None
     keys_of = [_keys_of(doc, keys) for doc in documents]
     for index, doc in enumerate(documents):
-        doc_keys = keys_of[index]
-        number = None if doc.chunk_of is not None or doc.segments else _page_number(doc, doc_keys)
-        rest = {k: v for k, v in doc.metadata.items() if k not in doc_keys}
-        follows = previous is not None and number == (previous[0], previous[1] + 1)
-        if runs and follows and rest and rest == run_rest:
+        if runs and continues(documents[index - 1], doc, page_keys=keys):
             runs[-1].append(index)
         else:
             runs.append([index])
-            run_rest = rest
-        previous = number
     out: list[Rejoined] = []
     for run in runs:
         # A blank page (a loader gives "" for it) belongs to the run but adds no text.

@@ -156,8 +156,9 @@ def test_deleting_pages_splits_or_renames_the_run(tmp_path: Path) -> None:
     # Pages 1 and 3 do not follow each other: two documents.
     assert index.tree.doc_ids == (pages[0].doc_id, pages[2].doc_id)
     assert index.ref_doc_ids == (pages[0].doc_id, pages[2].doc_id)
-    index.insert(pages[1])  # back at the end, after page 3: it follows nothing
-    assert set(index.tree.doc_ids) == {p.doc_id for p in pages}
+    index.insert(pages[1])  # re-inserted, it goes back after page 1: one file again
+    assert index.tree.doc_ids == (pages[0].doc_id,)
+    assert index.ref_doc_ids == tuple(p.doc_id for p in pages)
 
     index = RaptorIndex.from_documents(pages, **options())
     index.delete_ref_doc(pages[0].doc_id)
@@ -171,6 +172,19 @@ def test_a_next_page_inserted_later_joins_the_pdf(tmp_path: Path) -> None:
     index.insert(pages[2])
     assert index.tree.doc_ids == (pages[0].doc_id,)
     assert "Honey is stored" in " ".join(leaf.text for leaf in index.tree.leaves)
+
+
+def test_a_next_page_joins_the_pdf_whatever_follows_it_in_the_index(tmp_path: Path) -> None:
+    """Another document after the file's pages: the inserted page still joins the file."""
+    pages = read(tmp_path)
+    other = Document(text="Rockets burn fuel to reach orbit. " * 3, id_="rockets")
+    index = RaptorIndex.from_documents([*pages[:2], other], **options())
+    assert index.tree.doc_ids == (pages[0].doc_id, "rockets")
+    index.insert(pages[2])
+    assert sorted(index.tree.doc_ids) == sorted([pages[0].doc_id, "rockets"])
+    joined = [leaf.text for leaf in index.tree.leaves if leaf.doc_id == pages[0].doc_id]
+    assert "Honey is stored" in " ".join(joined)
+    assert index.ref_doc_ids[-1] == "rockets"  # the page took its place in the file
 
 
 def test_the_setting_is_saved_with_the_index(tmp_path: Path) -> None:
