@@ -86,7 +86,7 @@ from raptor_core.store.codec import (
     unfiltered_depth,
 )
 from raptor_core.store.filters import check_where, compile_where
-from raptor_core.store.vectors import StoreShape, unit_rows
+from raptor_core.store.vectors import UNIT_LENGTH_TOLERANCE, StoreShape, unit_rows
 from raptor_core.tree import Node, Tree
 from raptor_core.types import Embedder, Match, NodeFilter
 from raptor_langchain.dialects import Pushdown, Row, StoreDialect, dialect_for
@@ -680,7 +680,11 @@ class LangChainNodeStore:
         for (node, _), vector in zip(found, vectors, strict=True):
             v = np.asarray(vector, dtype=np.float32).reshape(-1)
             norm = float(np.linalg.norm(v))
-            out.append((node, v / norm if norm > 0 else v))
+            # A stored unit vector is kept bit for bit: dividing it by its float32 norm moves
+            # its last bits, and to_tree() would not give back the tree that was written.
+            if norm > 0 and abs(norm - 1.0) > UNIT_LENGTH_TOLERANCE:
+                v = v / norm
+            out.append((node, v))
         return out
 
     def to_tree(self) -> Tree:

@@ -16,11 +16,20 @@ from numpy.typing import NDArray
 from raptor_core._threads import matvec
 from raptor_core.exceptions import InvalidInputError
 
-__all__ = ["StoreShape", "nearest_rows", "unit_rows"]
+__all__ = ["UNIT_LENGTH_TOLERANCE", "StoreShape", "nearest_rows", "unit_rows"]
+
+#: A row whose L2 norm is this close to 1 is already a unit vector and is kept bit for bit:
+#: dividing it by its float32 norm again moves its last bits (about 6e-8), so a tree
+#: written into a store and read back would differ from the tree, and an incremental
+#: update would place a new chunk differently than on the in-memory tree.  A float32 row
+#: normalised once has a norm within a few 1e-8 of 1.
+UNIT_LENGTH_TOLERANCE = 1e-6
 
 
 def unit_rows(vectors: object, n: int, dim: int | None) -> NDArray[np.float32]:
     """``vectors`` as ``(n, d)`` float32 rows of unit length, after checking them.
+
+    Rows already of unit length (within :data:`UNIT_LENGTH_TOLERANCE`) are kept bit for bit.
 
     Args:
         vectors: one vector per node (anything ``numpy.asarray`` takes).
@@ -43,11 +52,16 @@ def unit_rows(vectors: object, n: int, dim: int | None) -> NDArray[np.float32]:
     if not np.all(np.isfinite(arr)):
         msg = "vectors contain NaN or infinite values"
         raise InvalidInputError(msg)
-    norms = np.linalg.norm(arr.astype(np.float64), axis=1, keepdims=True)
+    norms = np.linalg.norm(arr.astype(np.float64), axis=1)
     if np.any(norms == 0.0):
         msg = "vectors contain an all-zero row; cosine similarity is undefined for it"
         raise InvalidInputError(msg)
-    return np.ascontiguousarray(arr / norms, dtype=np.float32)
+    # Always a copy: a store keeps the rows, and the caller may change its array later.
+    out = np.array(arr, dtype=np.float32, order="C")
+    off = np.abs(norms - 1.0) > UNIT_LENGTH_TOLERANCE
+    if off.any():
+        out[off] = arr[off] / norms[off, None]
+    return out
 
 
 def nearest_rows(
