@@ -9,11 +9,20 @@ embedding matrix; the first ``add`` after that copies it once.
 Deleting a node leaves a tombstone row (masked out of every search) until more than a
 quarter of the rows are dead; then the rows are compacted.  Insertion order is kept, so
 iteration and tie-breaking are deterministic.
+
+Threads may share a store: every write holds the store's lock, and every read takes what
+it needs (matrix, node list, row masks) under the same lock.  A search then scores that
+snapshot outside the lock, so searches run side by side and a search concurrent with a
+write sees the store before the write or after it, never in between.  So a write replaces
+the matrix, the token counts and the node list rather than change them (an append only
+extends the node list past the rows a snapshot knows).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -35,6 +44,13 @@ _GATHER_SHARE = 0.25
 _NO_FILTER = NodeFilter()
 _NO_ROWS = np.zeros(0, dtype=np.intp)
 _NO_ROWS.flags.writeable = False
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+_NO_TOKENS.flags.writeable = False
+
+# What one ranking found: rows and scores, best first, and the node list and token counts
+# those rows index (the store's at the time, which a later write does not change).
+_Found = tuple[NDArray[np.intp], list[float], Sequence["Node | None"], NDArray[np.int64]]
+_NOTHING: _Found = (_NO_ROWS, [], [], _NO_TOKENS)
 
 
 class InMemoryNodeStore:
@@ -57,6 +73,9 @@ class InMemoryNodeStore:
 
     def __init__(self, *, index: VectorIndex | None = None) -> None:
         self.index = index
+        # Reentrant: add() deletes the ids it replaces, and a native filter called under
+        # the lock may read the store.
+        self._lock = threading.RLock()
         #: How the stored tree was built (``Tree.params``, descriptions only), when known.
         self.params: Mapping[str, Any] = {}
         self._nodes: list[Node | None] = []
@@ -91,7 +110,7 @@ class InMemoryNodeStore:
         store = cls()
         store.params = dict(tree.params)
         if len(tree):
-            store._append(list(tree.nodes), tree.embeddings, check=False)
+            store._append(list(tree.nodes), tree.embeddings)
         if index is not None:
             size = getattr(index, "__len__", None)
             if len(tree) and callable(size) and size() == 0:
@@ -102,27 +121,47 @@ class InMemoryNodeStore:
     def __repr__(self) -> str:
         return f"InMemoryNodeStore(nodes={len(self)}, dim={self.dim})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A lock cannot be pickled or deep-copied (a retriever over a store is, by
+        # LangChain's serialisers and copy.deepcopy); the copy gets its own.
+        with self._lock:
+            state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
     # -- shape ---------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._row)
+        with self._lock:
+            return len(self._row)
 
     def __iter__(self) -> Iterator[Node]:
-        return (node for node in self._nodes if node is not None)
+        # The node slots as they are now: a later append extends the list past `count`, a
+        # delete or a compaction replaces it.
+        with self._lock:
+            nodes, count = self._nodes, len(self._nodes)
+        return (node for node in islice(nodes, count) if node is not None)
 
     def __contains__(self, node_id: object) -> bool:
-        return node_id in self._row
+        with self._lock:
+            return node_id in self._row
 
     @property
     def dim(self) -> int | None:
         """Vector dimension (None while empty)."""
-        if self._matrix is not None:
-            return int(self._matrix.shape[1])
-        return int(self._blocks[0].shape[1]) if self._blocks else None
+        with self._lock:
+            if self._matrix is not None:
+                return int(self._matrix.shape[1])
+            return int(self._blocks[0].shape[1]) if self._blocks else None
 
     @property
     def top_layer(self) -> int:
         """The highest layer stored (-1 while empty)."""
-        alive = self._layer[self._alive]
+        with self._lock:
+            alive = self._layer[self._alive]
         return int(alive.max()) if alive.size else -1
 
     # -- writes --------------------------------------------------------------------------------
@@ -138,57 +177,66 @@ class InMemoryNodeStore:
         if len(set(ids)) != len(ids):
             msg = "add() got the same node id twice in one call"
             raise InvalidInputError(msg)
-        replaced = [i for i in ids if i in self._row]
-        if replaced:
-            self.delete(replaced)
-        self._append(nodes, vectors, check=True)
+        # One lock for the delete and the append: no search sees the replaced nodes gone
+        # and their new versions not yet there.
+        with self._lock:
+            arr = unit_rows(vectors, len(nodes), self.dim)
+            replaced = [i for i in ids if i in self._row]
+            if replaced:
+                self.delete(replaced)
+            self._append(nodes, arr)
 
-    def _append(self, nodes: list[Node], vectors: object, *, check: bool) -> None:
-        arr = np.asarray(vectors, dtype=np.float32)
-        if check:
-            arr = unit_rows(arr, len(nodes), self.dim)
-        if not nodes:
-            return
-        start = len(self._nodes)
-        self._nodes.extend(nodes)
-        for offset, node in enumerate(nodes):
-            self._row[node.id] = start + offset
-        self._blocks.append(arr)
-        self._matrix = None
-        self._layer = np.concatenate(
-            [self._layer, np.fromiter((n.layer for n in nodes), np.int32, len(nodes))]
-        )
-        self._tokens = np.concatenate(
-            [self._tokens, np.fromiter((n.token_count for n in nodes), np.int64, len(nodes))]
-        )
-        self._carried = np.concatenate(
-            [self._carried, np.fromiter((is_carried(n) for n in nodes), np.bool_, len(nodes))]
-        )
-        self._alive = np.concatenate([self._alive, np.ones(len(nodes), dtype=np.bool_)])
-        if self.index is not None:
-            self.index.add([n.id for n in nodes], arr)
-        self._changed()
+    def _append(self, nodes: list[Node], vectors: NDArray[np.float32]) -> None:
+        """Append checked unit ``vectors`` (or a tree's own matrix, shared)."""
+        with self._lock:
+            arr = np.asarray(vectors, dtype=np.float32)
+            if not nodes:
+                return
+            start = len(self._nodes)
+            self._nodes.extend(nodes)
+            for offset, node in enumerate(nodes):
+                self._row[node.id] = start + offset
+            self._blocks.append(arr)
+            self._matrix = None
+            self._layer = np.concatenate(
+                [self._layer, np.fromiter((n.layer for n in nodes), np.int32, len(nodes))]
+            )
+            self._tokens = np.concatenate(
+                [self._tokens, np.fromiter((n.token_count for n in nodes), np.int64, len(nodes))]
+            )
+            self._carried = np.concatenate(
+                [self._carried, np.fromiter((is_carried(n) for n in nodes), np.bool_, len(nodes))]
+            )
+            self._alive = np.concatenate([self._alive, np.ones(len(nodes), dtype=np.bool_)])
+            if self.index is not None:
+                self.index.add([n.id for n in nodes], arr)
+            self._changed()
 
     def delete(self, ids: Sequence[str]) -> None:
         """Remove the nodes with these ids; unknown ids are ignored."""
-        rows = [self._row.pop(i) for i in ids if i in self._row]
-        if not rows:
-            return
-        for row in rows:
-            self._nodes[row] = None
-        self._alive[rows] = False
-        self._dead += len(rows)
-        if self.index is not None:
-            # VectorIndex has no delete: rebuild it from the live rows, with the index's own
-            # settings when it can make an empty copy of itself (the bundled ones can).
-            empty = getattr(self.index, "empty", None)
-            self.index = empty() if callable(empty) else type(self.index)()
-            live = np.flatnonzero(self._alive)
-            if live.size:
-                self.index.add([self._nodes[r].id for r in live], self._full()[live])  # type: ignore[union-attr]
-        if self._dead * 4 > len(self._nodes):
-            self._compact()
-        self._changed()
+        with self._lock:
+            rows = [self._row.pop(i) for i in ids if i in self._row]
+            if not rows:
+                return
+            # A new list, not the old one changed: a search scoring a snapshot outside the
+            # lock still reads its own list, where these rows hold their nodes.
+            nodes = list(self._nodes)
+            for row in rows:
+                nodes[row] = None
+            self._nodes = nodes
+            self._alive[rows] = False
+            self._dead += len(rows)
+            if self.index is not None:
+                # VectorIndex has no delete: rebuild it from the live rows, with the index's
+                # own settings when it can make an empty copy of itself (the bundled ones can).
+                empty = getattr(self.index, "empty", None)
+                self.index = empty() if callable(empty) else type(self.index)()
+                live = np.flatnonzero(self._alive)
+                if live.size:
+                    self.index.add([self._nodes[r].id for r in live], self._full()[live])  # type: ignore[union-attr]
+            if self._dead * 4 > len(self._nodes):
+                self._compact()
+            self._changed()
 
     def _compact(self) -> None:
         live = np.flatnonzero(self._alive)
@@ -210,6 +258,7 @@ class InMemoryNodeStore:
 
     # -- reads ---------------------------------------------------------------------------------
     def _full(self) -> NDArray[np.float32]:
+        # With the lock held: it replaces _matrix and _blocks, which a write also does.
         if self._matrix is None:
             if not self._blocks:
                 return np.zeros((0, 0), dtype=np.float32)
@@ -226,12 +275,9 @@ class InMemoryNodeStore:
 
     def get(self, ids: Sequence[str]) -> list[Node]:
         """The stored nodes with these ids, in the order asked; unknown ids are left out."""
-        out = []
-        for node_id in ids:
-            row = self._row.get(node_id)
-            if row is not None:
-                out.append(self._node_at(row))
-        return out
+        with self._lock:
+            known = self._row
+            return [self._node_at(known[i]) for i in ids if i in known]
 
     def vectors(self, ids: Sequence[str]) -> NDArray[np.float32]:
         """The ``(len(ids), d)`` unit vectors of these ids.
@@ -239,8 +285,9 @@ class InMemoryNodeStore:
         Raises:
             KeyError: an id is not stored.
         """
-        rows = np.fromiter((self._row[i] for i in ids), dtype=np.intp, count=len(ids))
-        return np.asarray(self._full()[rows], dtype=np.float32)
+        with self._lock:
+            rows = np.fromiter((self._row[i] for i in ids), dtype=np.intp, count=len(ids))
+            return np.asarray(self._full()[rows], dtype=np.float32)
 
     def to_tree(
         self,
@@ -253,15 +300,18 @@ class InMemoryNodeStore:
         Raises:
             TreeFormatError: the stored nodes do not form a tree (a child is missing, ...).
         """
-        live = np.flatnonzero(self._alive)
-        order = live[np.argsort(self._layer[live], kind="stable")]
-        nodes = tuple(self._node_at(int(r)) for r in order)
-        matrix = self._full()
-        emb = matrix[order] if order.size else np.zeros((0, self.dim or 0), dtype=np.float32)
+        with self._lock:
+            live = np.flatnonzero(self._alive)
+            order = live[np.argsort(self._layer[live], kind="stable")]
+            nodes = tuple(self._node_at(int(r)) for r in order)
+            matrix = self._full()
+            emb = matrix[order] if order.size else np.zeros((0, matrix.shape[1]), np.float32)
+            stored_params = self.params
+        # Checking the tree (every row a unit vector, every child present) needs no lock.
         return Tree(
             nodes=nodes,
             embeddings=emb,
-            params=self.params if params is None else params,
+            params=stored_params if params is None else params,
             build_info=build_info or {},
         )
 
@@ -278,8 +328,7 @@ class InMemoryNodeStore:
             InvalidParameterError: ``k`` is not a positive integer, ``where`` is malformed.
             InvalidInputError: the vector's dimension is not the store's.
         """
-        rows, scores = self._ranked(vector, k, where)
-        nodes = self._nodes
+        rows, scores, nodes, _ = self._ranker(vector, where)(k)
         return [Match(nodes[r], s) for r, s in zip(rows.tolist(), scores, strict=True)]
 
     def search_within_budget(
@@ -301,51 +350,60 @@ class InMemoryNodeStore:
         """
         from raptor_core.retrieval.base import fill_ranked
 
-        found: tuple[NDArray[np.intp], list[float]] = (_NO_ROWS, [])
+        ranked = self._ranker(vector, where)
+        found = _NOTHING
 
         def fetch(m: int) -> tuple[list[float], NDArray[np.int64]]:
             nonlocal found
-            found = self._ranked(vector, m, where)
-            return found[1], self._tokens[found[0]]
+            found = ranked(m)
+            return found[1], found[3][found[0]]
 
         taken = fill_ranked(fetch, k=k, max_tokens=max_tokens, min_score=min_score)
-        rows, scores = found
-        nodes = self._nodes
+        rows, scores, nodes, _ = found
         return [Match(nodes[int(rows[i])], scores[i]) for i in taken]  # type: ignore[arg-type]
 
-    def _ranked(
-        self, vector: NDArray[np.float32], k: int, where: NodeFilter | None
-    ) -> tuple[NDArray[np.intp], list[float]]:
-        """Rows and scores of the ``k`` best matches, best first (the work of :meth:`search`)."""
-        from raptor_core.retrieval.base import top_rows
+    def _ranker(
+        self, vector: NDArray[np.float32], where: NodeFilter | None
+    ) -> Callable[[int], _Found]:
+        """``ranked(k)``: the ``k`` best matches, best first (the work of :meth:`search`).
 
-        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
-            msg = f"k must be a positive integer, got {k!r}"
-            raise InvalidParameterError(msg)
-        if not self._row:
-            return _NO_ROWS, []
-        q = np.asarray(vector, dtype=np.float32).reshape(-1)
-        if q.shape[0] != self.dim:
-            msg = f"query vector has dimension {q.shape[0]} but the store holds {self.dim}"
-            raise InvalidInputError(msg)
-        where = where if where is not None else _NO_FILTER
-        rows = self._candidate_rows(where)
-        if rows is not None and rows.size == 0:
-            return _NO_ROWS, []
-        if self.index is not None:
-            return self._search_index(q, int(k), where, rows)
-        matrix = self._full()
-        # matvec, not `@`: no BLAS thread pool on the query path (see raptor_core._threads).
-        if rows is None:
-            scores = matvec(matrix, q)
-        elif rows.size < _GATHER_SHARE * matrix.shape[0]:
-            scores = matvec(matrix[rows], q)
-        else:
-            scores = matvec(matrix, q)[rows]
-        best = top_rows(scores, min(int(k), scores.shape[0]))
-        positions = best if rows is None else rows[best]
-        # tolist(): Python floats in one call, not one numpy scalar per match.
-        return positions, scores[best].tolist()
+        The first call reads what an exact search needs (matrix, candidate rows, node list)
+        under the lock; every call scores that snapshot outside it, so the prefixes that
+        :meth:`search_within_budget` fetches rank the same nodes, whatever is written
+        meanwhile.  A search through ``self.index`` runs under the lock: a write changes the
+        index in place.
+        """
+        snapshot: tuple[Any, ...] | None = None
+
+        def ranked(k: int) -> _Found:
+            nonlocal snapshot
+            if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+                msg = f"k must be a positive integer, got {k!r}"
+                raise InvalidParameterError(msg)
+            if snapshot is None:
+                with self._lock:
+                    if not self._row:
+                        return _NOTHING
+                    q = np.asarray(vector, dtype=np.float32).reshape(-1)
+                    if q.shape[0] != self.dim:
+                        msg = (
+                            f"query vector has dimension {q.shape[0]} but the store holds "
+                            f"{self.dim}"
+                        )
+                        raise InvalidInputError(msg)
+                    chosen = where if where is not None else _NO_FILTER
+                    rows = self._candidate_rows(chosen)
+                    if rows is not None and rows.size == 0:
+                        return _NOTHING
+                    if self.index is not None:
+                        found, scores = self._search_index(q, int(k), chosen, rows)
+                        return found, scores, self._nodes, self._tokens
+                    snapshot = (q, self._full(), rows, self._nodes, self._tokens)
+            q, matrix, rows, nodes, tokens = snapshot
+            found, scores = _exact(q, matrix, rows, int(k))
+            return found, scores, nodes, tokens
+
+        return ranked
 
     def _search_index(
         self, q: NDArray[np.float32], k: int, where: NodeFilter, rows: NDArray[np.intp] | None
@@ -459,6 +517,25 @@ class InMemoryNodeStore:
             dtype=np.bool_,
             count=len(self._nodes),
         )
+
+
+def _exact(
+    q: NDArray[np.float32], matrix: NDArray[np.float32], rows: NDArray[np.intp] | None, k: int
+) -> tuple[NDArray[np.intp], list[float]]:
+    """Rows of ``matrix`` (of ``rows``; None: all) and scores of the ``k`` best, best first."""
+    from raptor_core.retrieval.base import top_rows
+
+    # matvec, not `@`: no BLAS thread pool on the query path (see raptor_core._threads).
+    if rows is None:
+        scores = matvec(matrix, q)
+    elif rows.size < _GATHER_SHARE * matrix.shape[0]:
+        scores = matvec(matrix[rows], q)
+    else:
+        scores = matvec(matrix, q)[rows]
+    best = top_rows(scores, min(k, scores.shape[0]))
+    positions = best if rows is None else rows[best]
+    # tolist(): Python floats in one call, not one numpy scalar per match.
+    return positions, scores[best].tolist()
 
 
 def _filter_key(where: NodeFilter) -> Any:
