@@ -802,6 +802,7 @@ class RaptorRetriever(BaseRetriever):
             store.add(nodes, new.embeddings[new.rows(write)])
         if report.nodes_removed:
             store.delete(list(report.nodes_removed))
+        store.record_floor(new)  # the tree read back next time keeps the update's floor
 
     # -- constructors --------------------------------------------------------------------------
     @staticmethod

@@ -66,6 +66,7 @@ from langchain_core.vectorstores import VectorStore
 from numpy.typing import NDArray
 
 from raptor_core._version import __version__
+from raptor_core.build.incremental import checked_floor, floor_build_info, recorded_floor
 from raptor_core.exceptions import (
     InvalidInputError,
     InvalidParameterError,
@@ -690,6 +691,10 @@ class LangChainNodeStore:
     def to_tree(self) -> Tree:
         """The stored nodes as an in-memory :class:`Tree` (layer by layer), for ``Tree.save``.
 
+        Its ``build_info`` holds the cohesion floor the manifest records (see
+        :meth:`record_floor`), so that an update of the stored tree keeps the floor as an
+        update of the in-memory one does.
+
         Raises:
             InvalidParameterError: the store cannot list its documents.
             TreeFormatError: the stored nodes do not form a tree.
@@ -698,7 +703,26 @@ class LangChainNodeStore:
         if not nodes:
             return Tree(nodes=(), embeddings=np.zeros((0, self.dim or 0), dtype=np.float32))
         matrix = self.vectors([n.id for n in nodes])
-        return Tree(nodes=tuple(nodes), embeddings=matrix, params=self.params)
+        floor = checked_floor((self.manifest or {}).get("cohesion_floor"))
+        return Tree(
+            nodes=tuple(nodes),
+            embeddings=matrix,
+            params=self.params,
+            build_info=floor_build_info(floor),
+        )
+
+    def record_floor(self, tree: Tree) -> None:
+        """Keep the cohesion floor ``tree`` records (after an update) in the manifest.
+
+        The first update of a tree measures each summary layer's drift floor and later
+        updates keep it (raptor_core.build.incremental); a store rebuilds its tree from the
+        nodes, so the floor travels in the manifest.  Nothing to keep: nothing is written.
+        """
+        floor = recorded_floor(tree.build_info)
+        manifest = self.manifest
+        if floor is None or manifest is None or manifest.get("cohesion_floor") == floor:
+            return
+        self._write_manifest({**manifest, "cohesion_floor": floor})
 
     # -- search ----------------------------------------------------------------------------------
     def search(

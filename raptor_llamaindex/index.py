@@ -39,7 +39,12 @@ from llama_index.core.storage.docstore.types import RefDocInfo
 from llama_index.core.storage.storage_context import StorageContext
 
 from raptor_core.build.builder import ProgressCallback, TreeBuilder, describe
-from raptor_core.build.incremental import UpdateReport
+from raptor_core.build.incremental import (
+    UpdateReport,
+    checked_floor,
+    floor_build_info,
+    recorded_floor,
+)
 from raptor_core.build.rejoin import Rejoined, continues, join_pages
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
 from raptor_core.store._format import MAX_DIM
@@ -228,6 +233,9 @@ class RaptorIndexStruct(IndexStruct):
     #: whether a PDF loader's pages are joined into one document for the tree on every
     #: update (see ``RaptorIndex``); None: written by an older version, which never joined them
     join_pages: Any = None
+    #: each summary layer's cohesion floor, which the first update of the tree measures and
+    #: later ones keep (raptor_core.build.incremental); None: none measured yet
+    cohesion_floor: Any = None
 
     @classmethod
     def get_type(cls) -> IndexStructType:
@@ -269,6 +277,12 @@ def _checked_struct(struct: IndexStruct) -> RaptorIndexStruct:
         msg = (
             f"{where}: 'dim' is not a vector dimension in 1..{MAX_DIM} (edited or damaged); "
             "remove it to have the first query check the embed model instead"
+        )
+        raise TreeFormatError(msg)
+    if struct.cohesion_floor is not None and checked_floor(struct.cohesion_floor) is None:
+        msg = (
+            f"{where}: 'cohesion_floor' is not a list of finite numbers (edited or "
+            "damaged); remove it to have the next update measure it again"
         )
         raise TreeFormatError(msg)
     for flag in ("rejoin_nodes", "join_pages"):
@@ -439,6 +453,8 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             layer_sizes=None if building else index_struct.layer_sizes,
             dim=None if building else index_struct.dim,
         )
+        if not building:
+            self._store.build_info = floor_build_info(checked_floor(index_struct.cohesion_floor))
         if building and not self._store.listable:
             # A store that can neither list nor count (no get_nodes) is taken to be empty, as
             # asked: the index records its sizes from here on.
@@ -880,6 +896,9 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         # After the store's writes, which drop the sizes it knew.
         self._store.layer_sizes = self._index_struct.layer_sizes = tree_layer_sizes(tree)
         self._index_struct.dim = tree.dim if len(tree) else None
+        floor = recorded_floor(tree.build_info)
+        self._index_struct.cohesion_floor = floor
+        self._store.build_info = floor_build_info(floor)
         self._index_struct.documents = (
             None
             if docs is None

@@ -352,6 +352,10 @@ class LlamaIndexNodeStore:
         self.backend = backend_for(vector_store, docstore)
         self.docstore = self.backend.docstore
         self.params: dict[str, Any] = dict(params or {})
+        #: What :meth:`to_tree` records as the tree's ``build_info``: the cohesion floor the
+        #: index struct keeps (set by :class:`~raptor_llamaindex.RaptorIndex`), so that an
+        #: update of a reopened index keeps the floor as the in-memory tree did.
+        self.build_info: dict[str, Any] = {}
         self._dim: int | None = None
         self.recorded_dim = dim
         #: Changes with every write through this store and every refresh(): what a strategy
@@ -608,7 +612,9 @@ class LlamaIndexNodeStore:
                 params=self.params,
             )  # fmt: skip
         matrix = self.vectors([n.id for n in nodes])
-        return Tree(nodes=tuple(nodes), embeddings=matrix, params=self.params)
+        return Tree(
+            nodes=tuple(nodes), embeddings=matrix, params=self.params, build_info=self.build_info
+        )
 
     # -- search ----------------------------------------------------------------------------------
     def search(

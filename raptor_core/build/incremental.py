@@ -40,6 +40,7 @@ set or dictionary ordering of ids.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -57,7 +58,15 @@ from raptor_core.types import Document
 if TYPE_CHECKING:
     from raptor_core.build.builder import TreeBuilder
 
-__all__ = ["COHESION_QUANTILE", "DRIFT_MIN_MEMBERS", "TreeUpdate", "UpdateReport"]
+__all__ = [
+    "COHESION_QUANTILE",
+    "DRIFT_MIN_MEMBERS",
+    "TreeUpdate",
+    "UpdateReport",
+    "checked_floor",
+    "floor_build_info",
+    "recorded_floor",
+]
 
 #: The cohesion floor of a layer is this quantile of its clusters' cohesion at build time.
 COHESION_QUANTILE = 0.10
@@ -618,11 +627,50 @@ def _centroids(
     return centroids, bounds
 
 
+#: More summary layers than any tree has: a longer recorded floor is not one.
+_MAX_FLOOR_LAYERS = 256
+
+
+def checked_floor(value: object) -> list[float] | None:
+    """``value`` as a cohesion floor (one cosine per summary layer), or None if it is not one.
+
+    A floor read from a file or a store is data: a list of at most 256 finite numbers, else
+    it is ignored (the next update measures the floor again).  A floor above 1 is one every
+    changed cluster falls below (each drifts), one below -1 never: both stay valid settings.
+    """
+    if not isinstance(value, list | tuple) or len(value) > _MAX_FLOOR_LAYERS:
+        return None
+    if not all(
+        isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in value
+    ):
+        return None
+    return [float(x) for x in value]
+
+
+def recorded_floor(build_info: Mapping[str, Any]) -> list[float] | None:
+    """The cohesion floor a tree's ``build_info`` records (None: none yet, or not a valid one).
+
+    Stores that keep a tree (vector stores, LlamaIndex's index store) save it beside the
+    nodes: the first update measures it and later ones keep it, whatever store holds the tree.
+    """
+    incremental = build_info.get("incremental")
+    return (
+        checked_floor(incremental.get("cohesion_floor"))
+        if isinstance(incremental, Mapping)
+        else None
+    )
+
+
+def floor_build_info(floor: Sequence[float] | None) -> dict[str, Any]:
+    """A ``build_info`` recording ``floor`` (empty for None), for a tree read from a store."""
+    return {} if floor is None else {"incremental": {"cohesion_floor": list(floor)}}
+
+
 def _cohesion_floor(tree: Tree) -> list[float]:
     """The drift floor of each summary layer (see the module docs), recorded or measured."""
-    recorded = (tree.build_info.get("incremental") or {}).get("cohesion_floor")
-    if isinstance(recorded, list) and all(isinstance(x, int | float) for x in recorded):
-        return [float(x) for x in recorded]
+    recorded = recorded_floor(tree.build_info)
+    if recorded is not None:
+        return recorded
     floors: list[float] = []
     for layer in range(1, tree.num_layers):
         values = [
