@@ -50,6 +50,7 @@ QASPER evidence; growing the stronger side first made the cap a clear gain.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import weakref
@@ -199,6 +200,15 @@ def _stamp(store: NodeStore) -> tuple[int, object]:
     every write through it; the count also catches some writes made around it.
     """
     return len(store), getattr(store, "revision", None)
+
+
+def _leaves_cached(store: NodeStore) -> bool:
+    """Whether :func:`_leaves` would answer from its cache (the store is unchanged since)."""
+    try:
+        cached = _LEAVES.get(store)
+    except TypeError:  # not weakly referenceable: never cached
+        return False
+    return cached is not None and cached.size == _stamp(store)
 
 
 def _leaves(store: NodeStore) -> _Leaves:
@@ -573,6 +583,22 @@ class PassageRetriever(TreeRetriever):
         # of any leaf, when leaves are never cut, ran out every pool).
         ranked = self._rank(leaves, vector, lexical, depth, min(m, n))
         return self._fill(leaves, ranked, k, max_tokens, depth)
+
+    async def _aretrieve(
+        self, query: str, vector: NDArray[np.float32], *, k: int, max_tokens: int | None
+    ) -> list[Hit]:
+        # The first search of a store reads every leaf and builds BM25: milliseconds for a
+        # small tree, seconds to minutes for a large vector store (Chroma at 100k nodes: about
+        # 25 s).  That runs in a worker thread, so the event loop keeps serving meanwhile;
+        # later searches find it cached and run inline, as the other vector strategies do.
+        if self._scope() == "all" and not _leaves_cached(self.store):
+            await asyncio.to_thread(self._read_leaves)
+        return self._retrieve(query, vector, k=k, max_tokens=max_tokens)
+
+    def _read_leaves(self) -> None:
+        leaves = _leaves(self.store)
+        if self.lexical and leaves.nodes:
+            leaves.bm25  # noqa: B018 - built now, in this thread, and kept with the leaves
 
     def _retrieve_found(
         self, vector: NDArray[np.float32], *, k: int, max_tokens: int | None

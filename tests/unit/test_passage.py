@@ -626,3 +626,37 @@ def test_overlap_detection_stays_linear_on_repetitive_text() -> None:
     assert hit.leaves == ("c0", "c1")
     # No overlap found (the first leaf ends otherwise): both texts whole, joined.
     assert hit.node.text == long + "end." + SEPARATOR + long
+
+
+def test_the_first_async_search_reads_the_leaves_off_the_event_loop(
+    tree: Tree, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading every leaf of a large store takes seconds: not on the loop's thread."""
+    import asyncio
+    import threading
+
+    from raptor_core.retrieval import passage
+
+    store = InMemoryNodeStore.from_tree(tree)
+    threads: list[str] = []
+    from_store = passage._Leaves.from_store.__func__  # type: ignore[attr-defined]
+
+    def recording(cls: type, store_: object) -> object:
+        threads.append(threading.current_thread().name)
+        return from_store(cls, store_)
+
+    monkeypatch.setattr(passage._Leaves, "from_store", classmethod(recording))
+    found = PassageRetriever(store, FakeEmbedder(32), k=5)
+
+    async def twice() -> tuple[list[str], list[str]]:
+        loop_thread = threading.current_thread().name
+        first = await found.aretrieve("bees shiver in winter", max_tokens=60)
+        second = await found.aretrieve("rockets reach orbit", max_tokens=60)
+        assert loop_thread not in threads  # read in a worker thread, once
+        return [h.id for h in first], [h.id for h in second]
+
+    first, second = asyncio.run(twice())
+    assert len(threads) == 1
+    sync = PassageRetriever(InMemoryNodeStore.from_tree(tree), FakeEmbedder(32), k=5)
+    assert first == [h.id for h in sync.retrieve("bees shiver in winter", max_tokens=60)]
+    assert second == [h.id for h in sync.retrieve("rockets reach orbit", max_tokens=60)]
