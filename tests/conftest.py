@@ -59,3 +59,35 @@ def chroma_server(tmp_path_factory):
     server = chroma.start(tmp_path_factory.mktemp("chroma") / "db")
     yield server
     chroma.stop(server)
+
+
+@pytest.fixture(scope="session")
+def one_summary_per_document_tree():
+    """Six documents of two leaves: one summary per document, top summaries over two each.
+
+    A one-document filter (``where={"doc_id": "d0"}``) keeps nothing of the top layer: the
+    tree for the filtered descents of traversal, LLM-guided and hybrid search.
+    """
+    from raptor_core.build.builder import TreeBuilder
+    from raptor_core.testing import (
+        EchoSummarizer,
+        FakeEmbedder,
+        GroupClusterer,
+        WhitespaceTokenizer,
+    )
+
+    docs = [
+        {"doc_id": f"d{i}", "text": f"Cats purr {i}. Kittens play {i}. Dogs bark {i}."}
+        for i in range(6)
+    ]
+    builder = TreeBuilder(
+        FakeEmbedder(),
+        EchoSummarizer(),
+        tokenizer=WhitespaceTokenizer(),
+        clusterer=GroupClusterer(2),
+        chunk_max_tokens=8,
+    )
+    tree = builder.build(docs)
+    assert tree.top_layer == 2
+    assert all(n.doc_id is None for n in tree.nodes if n.layer == 2)
+    return tree

@@ -18,15 +18,11 @@ from raptor_core import (
     InvalidParameterError,
     LLMAuthenticationError,
     Tree,
-    TreeBuilder,
     ValueBasedRetriever,
 )
 from raptor_core.testing import (
-    EchoSummarizer,
     FakeEmbedder,
-    GroupClusterer,
     ScriptedLLM,
-    WhitespaceTokenizer,
     tiny_tree,
 )
 
@@ -254,20 +250,11 @@ def test_edge_cases(tree: Tree) -> None:
     assert len(many.hits) == len(tree)
 
 
-def test_a_filter_starts_the_llm_search_at_the_highest_layer_it_keeps() -> None:
+def test_a_filter_starts_the_llm_search_at_the_highest_layer_it_keeps(
+    one_summary_per_document_tree: Tree,
+) -> None:
     # No top summary (each spans two documents) passes a one-document filter.
-    docs = [
-        {"doc_id": f"d{i}", "text": f"Cats purr {i}. Kittens play {i}. Dogs bark {i}."}
-        for i in range(6)
-    ]
-    builder = TreeBuilder(
-        FakeEmbedder(),
-        EchoSummarizer(),
-        tokenizer=WhitespaceTokenizer(),
-        clusterer=GroupClusterer(2),
-        chunk_max_tokens=8,
-    )
-    docs_tree = builder.build(docs)
+    docs_tree = one_summary_per_document_tree
     llm = scripted(select=select_all)
     search = HybridRetriever(
         docs_tree, FakeEmbedder(), llm=llm, judge=False, value_k=1, where={"doc_id": "d0"}

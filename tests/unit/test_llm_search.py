@@ -19,15 +19,11 @@ from raptor_core import (
     LLMGuidedRetriever,
     LLMTimeoutError,
     Tree,
-    TreeBuilder,
 )
 from raptor_core._llm import ask_json
 from raptor_core.testing import (
-    EchoSummarizer,
     FakeEmbedder,
-    GroupClusterer,
     ScriptedLLM,
-    WhitespaceTokenizer,
     random_tree,
     tiny_tree,
 )
@@ -227,22 +223,12 @@ def test_no_similar_nodes_means_no_llm_call(tree: Tree) -> None:
     assert llm.prompts == []
 
 
-def test_a_filter_starts_at_the_highest_layer_it_keeps() -> None:
+def test_a_filter_starts_at_the_highest_layer_it_keeps(
+    one_summary_per_document_tree: Tree,
+) -> None:
     # The top summaries span two documents each: a one-document filter keeps none of them,
     # so the LLM is first shown the layer below, not an empty top layer.
-    docs = [
-        {"doc_id": f"d{i}", "text": f"Cats purr {i}. Kittens play {i}. Dogs bark {i}."}
-        for i in range(6)
-    ]
-    builder = TreeBuilder(
-        FakeEmbedder(),
-        EchoSummarizer(),
-        tokenizer=WhitespaceTokenizer(),
-        clusterer=GroupClusterer(2),
-        chunk_max_tokens=8,
-    )
-    docs_tree = builder.build(docs)
-    assert docs_tree.top_layer == 2
+    docs_tree = one_summary_per_document_tree
     llm = ScriptedLLM(default=select_all)
     search = LLMGuidedRetriever(docs_tree, FakeEmbedder(), llm=llm, where={"doc_id": "d0"})
     hits = search.retrieve("cats purr")

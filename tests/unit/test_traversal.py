@@ -11,15 +11,11 @@ from raptor_core import (
     InvalidInputError,
     InvalidParameterError,
     Tree,
-    TreeBuilder,
     TreeTraversalRetriever,
 )
 from raptor_core.retrieval import Hit
 from raptor_core.testing import (
-    EchoSummarizer,
     FakeEmbedder,
-    GroupClusterer,
-    WhitespaceTokenizer,
     random_tree,
     tiny_tree,
 )
@@ -148,23 +144,12 @@ def test_start_layer_and_num_layers(tree: Tree) -> None:
     assert [h.id for h in leaves] == [tree.leaves[i].id for i in best]
 
 
-def test_a_filter_starts_at_the_highest_layer_it_keeps() -> None:
+def test_a_filter_starts_at_the_highest_layer_it_keeps(
+    one_summary_per_document_tree: Tree,
+) -> None:
     # Six documents of two leaves, one summary each, and top summaries over two documents:
     # a one-document filter keeps nothing of the top layer, so the descent starts below it.
-    docs = [
-        {"doc_id": f"d{i}", "text": f"Cats purr {i}. Kittens play {i}. Dogs bark {i}."}
-        for i in range(6)
-    ]
-    builder = TreeBuilder(
-        FakeEmbedder(),
-        EchoSummarizer(),
-        tokenizer=WhitespaceTokenizer(),
-        clusterer=GroupClusterer(2),
-        chunk_max_tokens=8,
-    )
-    docs_tree = builder.build(docs)
-    assert docs_tree.top_layer == 2
-    assert all(n.doc_id is None for n in docs_tree.nodes if n.layer == 2)
+    docs_tree = one_summary_per_document_tree
 
     def found(**params: object) -> list[str]:
         retriever = TreeTraversalRetriever(docs_tree, FakeEmbedder(), **params)  # type: ignore[arg-type]
