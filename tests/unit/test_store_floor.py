@@ -8,6 +8,7 @@ through a store gave other trees than the same updates in memory.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 pytest.importorskip("langchain_core")
@@ -43,6 +44,30 @@ def _options() -> dict[str, object]:
         "min_layer_size": 2,
         "random_state": 0,
     }
+
+
+def test_add_documents_places_a_chunk_as_on_the_in_memory_tree() -> None:
+    """A chunk that repeats a cluster's loosest member: placement ties at the last bit.
+
+    The stored vectors must be the tree's bit for bit (see test_store_vectors_exact.py), or
+    the store places it in another cluster than the in-memory tree does.
+    """
+    docs = [Document(page_content=t, id=i) for i, t in TEXTS.items()]
+    emb = FakeEmbedder()
+    memory = RaptorRetriever.from_documents(docs, emb, **_options())  # type: ignore[arg-type]
+    stored = RaptorRetriever.from_documents(
+        docs,
+        emb,
+        vectorstore=InMemoryVectorStore(RaptorEmbeddings(emb)),
+        **_options(),  # type: ignore[arg-type]
+    )
+    assert stored.store is not None and memory.tree is not None
+    assert np.array_equal(stored.store.to_tree().embeddings, memory.tree.embeddings)
+    new = [Document(page_content="Cats purr and sleep. Cats like fish and milk.", id="cats2")]
+    memory.add_documents(new)
+    stored.add_documents(new)
+    assert memory.tree is not None
+    assert {n.id for n in stored.store.to_tree().nodes} == {n.id for n in memory.tree.nodes}
 
 
 def test_updates_through_a_store_give_the_in_memory_tree() -> None:

@@ -2,7 +2,8 @@
 
 Dividing a float32 unit vector by its norm again moves its last bits (about 6e-8): the
 tree read back differed from the tree written, and an incremental update then placed a
-new chunk differently than on the in-memory tree.
+new chunk differently than on the in-memory tree (that update is tested with the other
+store-backed updates, in test_store_floor.py).
 """
 
 from __future__ import annotations
@@ -12,13 +13,7 @@ import pytest
 
 from raptor_core.store.memory import InMemoryNodeStore
 from raptor_core.store.vectors import unit_rows
-from raptor_core.testing import (
-    EchoSummarizer,
-    FakeEmbedder,
-    GroupClusterer,
-    WhitespaceTokenizer,
-    random_tree,
-)
+from raptor_core.testing import FakeEmbedder, random_tree
 from raptor_core.tree import Tree
 
 
@@ -79,47 +74,3 @@ def test_llamaindex_store_round_trips_vectors_exactly() -> None:
     store.add_tree(tree)
     ids = [n.id for n in tree.nodes]
     assert np.array_equal(store.vectors(ids), tree.embeddings)
-
-
-def test_add_documents_places_a_chunk_as_on_the_in_memory_tree() -> None:
-    pytest.importorskip("langchain_core")
-    from langchain_core.documents import Document
-    from langchain_core.vectorstores import InMemoryVectorStore
-
-    from raptor_langchain import RaptorEmbeddings, RaptorRetriever
-
-    texts = {
-        "cats": "Cats purr and sleep. Kittens chase string. Cats like fish and milk.",
-        "dogs": "Dogs bark at night. Puppies chew shoes. Dogs love long walks.",
-        "rockets": "Rockets burn fuel. Orbit needs speed. Satellites circle the earth.",
-        "bread": "Bread needs yeast. Dough rises slowly. Ovens bake the loaf.",
-        "tea": "Tea leaves steep. Green tea is light. Black tea is strong.",
-    }
-    docs = [Document(page_content=t, id=i) for i, t in texts.items()]
-    emb = FakeEmbedder()
-
-    def options() -> dict[str, object]:
-        return {
-            "summarizer": EchoSummarizer(),
-            "tokenizer": WhitespaceTokenizer(),
-            "clusterer": GroupClusterer(2),
-            "chunk_max_tokens": 8,
-            "summary_max_tokens": 12,
-            "min_layer_size": 2,
-            "random_state": 0,
-        }
-
-    memory = RaptorRetriever.from_documents(docs, emb, **options())  # type: ignore[arg-type]
-    stored = RaptorRetriever.from_documents(
-        docs,
-        emb,
-        vectorstore=InMemoryVectorStore(RaptorEmbeddings(emb)),
-        **options(),  # type: ignore[arg-type]
-    )
-    assert stored.store is not None and memory.tree is not None
-    assert np.array_equal(stored.store.to_tree().embeddings, memory.tree.embeddings)
-    new = [Document(page_content="Cats purr and sleep. Cats like fish and milk.", id="cats2")]
-    memory.add_documents(new)
-    stored.add_documents(new)
-    assert memory.tree is not None
-    assert {n.id for n in stored.store.to_tree().nodes} == {n.id for n in memory.tree.nodes}
