@@ -31,6 +31,7 @@ from raptor_core.testing import (
 )
 from raptor_core.tree import Tree
 from raptor_langchain import InMemoryDialect, LangChainNodeStore, RaptorEmbeddings, RaptorRetriever
+from raptor_langchain.retriever import _UpdateLock
 
 DIM = 32
 TEXTS = {
@@ -69,27 +70,20 @@ class GatedEmbedder(FakeEmbedder):
         return super().embed_documents(texts)
 
 
-class ContendedLock:
-    """A lock calling ``on_wait`` when an update finds it taken (sync or async)."""
+class ContendedLock(_UpdateLock):
+    """The retriever's update lock, calling ``on_wait`` when an update finds it taken."""
+
+    __slots__ = ("_on_wait",)
 
     def __init__(self, on_wait: Callable[[], None]) -> None:
-        self._lock = threading.Lock()
+        super().__init__()
         self._on_wait = on_wait
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        if self._lock.acquire(blocking=False):
+        if super().acquire(blocking=False):
             return True
         self._on_wait()
-        return self._lock.acquire(blocking, timeout) if blocking else False
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()
+        return super().acquire(blocking, timeout) if blocking else False
 
 
 def gated(vectorstore: InMemoryVectorStore | None) -> tuple[RaptorRetriever, GatedEmbedder]:
