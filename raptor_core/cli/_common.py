@@ -6,6 +6,7 @@ printed from them goes through :func:`safe` (control characters become escapes).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -22,6 +23,7 @@ __all__ = [
     "check_unicode",
     "load_tree",
     "one_line",
+    "os_advice",
     "path_text",
     "safe",
     "safe_json",
@@ -35,6 +37,26 @@ EXIT_INTERRUPTED = 130
 
 #: The file a tree directory always holds (see raptor_core.tree).
 TREE_FILE = "tree.json"
+
+#: What an OS error means for the user, in words, and what to do.
+_OS_ADVICE = {
+    errno.ENOSPC: "no space left on the device: free some space or write elsewhere",
+    errno.EDQUOT: "disk quota exceeded: free some space or write elsewhere",
+    errno.EROFS: "read-only file system: write somewhere else",
+    errno.EACCES: "permission denied: check the permissions or use another path",
+    errno.EPERM: "operation not permitted: check the permissions or use another path",
+    errno.ENOENT: "no such file or directory: check the path",
+    errno.ENOTDIR: "a part of the path is not a directory: check the path",
+    errno.EISDIR: "is a directory, not a file: check the path",
+    errno.EMFILE: "too many open files: raise the limit (ulimit -n) and retry",
+    errno.EIO: "input/output error: the disk or the network file system failed",
+}
+
+
+def os_advice(exc: OSError) -> str:
+    """What ``exc`` means and what to do, without the file's name."""
+    return _OS_ADVICE.get(exc.errno or 0) or (exc.strerror or type(exc).__name__)
+
 
 # C0 controls except tab and newline, DEL and the C1 controls (U+009B is a one-character CSI on
 # some terminals).

@@ -19,6 +19,7 @@ from raptor_core.cli._common import (
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     one_line,
+    os_advice,
     path_text,
 )
 from raptor_core.exceptions import (
@@ -58,18 +59,6 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 # -- errors --------------------------------------------------------------------------------------
-_OS_ADVICE = {
-    errno.ENOSPC: "no space left on the device: free some space or write elsewhere",
-    errno.EDQUOT: "disk quota exceeded: free some space or write elsewhere",
-    errno.EROFS: "read-only file system: write somewhere else",
-    errno.EACCES: "permission denied: check the permissions or use another path",
-    errno.EPERM: "operation not permitted: check the permissions or use another path",
-    errno.ENOENT: "no such file or directory: check the path",
-    errno.ENOTDIR: "a part of the path is not a directory: check the path",
-    errno.EISDIR: "is a directory, not a file: check the path",
-    errno.EMFILE: "too many open files: raise the limit (ulimit -n) and retry",
-    errno.EIO: "input/output error: the disk or the network file system failed",
-}
 #: Errors about the path the user typed: a usage error (2), not a failure of the work (1).
 _USAGE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
 #: Fixed by changing the command, its inputs or its settings (a missing or rejected API key, an
@@ -79,7 +68,7 @@ _USAGE_ERRORS = (InvalidParameterError, InvalidInputError, TreeFormatError, LLMA
 
 def _describe_os_error(exc: OSError) -> str:
     where = exc.filename if exc.filename is not None else None
-    advice = _OS_ADVICE.get(exc.errno or 0) or (exc.strerror or type(exc).__name__)
+    advice = os_advice(exc)
     if where is None:
         return advice
     shown = where if isinstance(where, str) else os.fsdecode(where)

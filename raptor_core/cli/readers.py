@@ -29,7 +29,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
-from raptor_core.cli._common import check_unicode, path_text
+from raptor_core.cli._common import check_unicode, os_advice, path_text
 from raptor_core.exceptions import InvalidInputError, MissingDependencyError
 from raptor_core.types import Document, Segment
 
@@ -478,7 +478,7 @@ def read_documents(
                     reason = str(exc).removeprefix(path_text(file)).lstrip(" :")
                     skip(file, reason)
                 except OSError as exc:  # permission denied, an I/O error: the rest goes on
-                    skip(file, _os_reason(exc))
+                    skip(file, os_advice(exc))
             if not found:
                 msg = f"{path_text(path)} holds no file that could be read"
                 raise InvalidInputError(msg)
@@ -487,19 +487,13 @@ def read_documents(
                 docs.extend(_read_file(path, text_field))
             except OSError as exc:
                 # A file the user named: their input is wrong (exit status 2), not the work.
-                msg = f"{path_text(path)} cannot be read: {_os_reason(exc)}"
+                msg = f"{path_text(path)} cannot be read: {os_advice(exc)}"
                 raise InvalidInputError(msg) from exc
         else:
             msg = f"{path_text(path)} does not exist"
             raise InvalidInputError(msg)
     _check_unique_ids(docs)
     return docs
-
-
-def _os_reason(exc: OSError) -> str:
-    """Why a file could not be read, in words (``strerror``), and what to do."""
-    reason = (exc.strerror or type(exc).__name__).lower()
-    return f"{reason}: check the file and its permissions"
 
 
 def _check_unique_ids(docs: Sequence[Document]) -> None:

@@ -281,7 +281,9 @@ def test_a_folder_file_the_system_refuses_is_skipped_and_the_rest_read(
     skipped: list[tuple[str, str]] = []
     docs = read_documents([str(folder)], on_skip=lambda p, why: skipped.append((p.name, why)))
     assert [d.text for d in docs] == ["readable text"]
-    assert skipped == [("secret.txt", "permission denied: check the file and its permissions")]
+    assert skipped == [
+        ("secret.txt", "permission denied: check the permissions or use another path")
+    ]
     # Named, the same file is the user's input error (exit status 2), naming the file.
     with pytest.raises(InvalidInputError, match=r"secret\.txt cannot be read: permission denied"):
         read_documents([str(folder / "secret.txt")])
