@@ -77,6 +77,7 @@ from raptor_core.store.codec import (
     SMALL_LAYER,
     UNFILTERED_SHARE,
     caller_layer_sizes,
+    checked_dim,
     checked_layer_sizes,
     is_node_metadata,
     layer_share,
@@ -171,17 +172,6 @@ def _parse_manifest(raw: object) -> Any:
         return json.loads(raw)
     except (ValueError, RecursionError):
         return None
-
-
-def _checked_dim(value: object) -> int | None:
-    """A recorded vector dimension, or None where it is not an integer in ``1..MAX_DIM``.
-
-    JSON allows NaN, floats, ``true`` and integers of any size there; none of them may
-    reach a write (``np.zeros((1, dim))``) or a comparison with a query's dimension.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DIM:
-        return None
-    return value
 
 
 # -- the store ---------------------------------------------------------------------------------
@@ -314,7 +304,7 @@ class LangChainNodeStore:
             page_content="RAPTOR tree manifest (raptor-retriever): how the tree was built.",
             metadata={"raptor_manifest": raw},
         )
-        dim = _checked_dim(manifest.get("dim"))
+        dim = checked_dim(manifest.get("dim"))
         if dim is None:  # every caller records a checked dimension; never write a damaged one
             msg = (
                 f"cannot record the {MANIFEST_ID!r} document without the vector dimension: "
@@ -349,8 +339,8 @@ class LangChainNodeStore:
         manifest = dict(self.manifest or {})
         if dim is None:
             # A damaged recorded dimension is not one: the store's vectors tell.
-            dim = _checked_dim(manifest.get("dim")) or self.dialect.dim()
-        if _checked_dim(dim) is None:
+            dim = checked_dim(manifest.get("dim")) or self.dialect.dim()
+        if checked_dim(dim) is None:
             msg = (
                 f"write_manifest needs the vector dimension, an integer in 1..{MAX_DIM} (got "
                 f"{str(dim)[:40]}): store nodes first or pass dim="
@@ -477,7 +467,7 @@ class LangChainNodeStore:
     def dim(self) -> int | None:
         """Vector dimension (None while nothing is stored)."""
         if self._dim is None:
-            recorded = _checked_dim((self.manifest or {}).get("dim"))
+            recorded = checked_dim((self.manifest or {}).get("dim"))
             # Absent or damaged (NaN, a float, a bool, out of range): the store's vectors tell.
             self._dim = recorded if recorded is not None else self.dialect.dim()
         return self._dim

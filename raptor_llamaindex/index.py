@@ -48,7 +48,12 @@ from raptor_core.build.incremental import (
 from raptor_core.build.rejoin import Rejoined, continues, join_pages
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError, TreeFormatError
 from raptor_core.store._format import MAX_DIM
-from raptor_core.store.codec import MAX_LAYERS, checked_layer_sizes, tree_layer_sizes
+from raptor_core.store.codec import (
+    MAX_LAYERS,
+    checked_dim,
+    checked_layer_sizes,
+    tree_layer_sizes,
+)
 from raptor_core.tree import Tree
 from raptor_core.types import LLM, Document, Embedder, Summarizer
 from raptor_llamaindex.ingestion import (
@@ -271,9 +276,7 @@ def _checked_struct(struct: IndexStruct) -> RaptorIndexStruct:
         )
         raise TreeFormatError(msg)
     dim = struct.dim
-    if dim is not None and (
-        not isinstance(dim, int) or isinstance(dim, bool) or not 1 <= dim <= MAX_DIM
-    ):
+    if dim is not None and checked_dim(dim) is None:
         msg = (
             f"{where}: 'dim' is not a vector dimension in 1..{MAX_DIM} (edited or damaged); "
             "remove it to have the first query check the embed model instead"

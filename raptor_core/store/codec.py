@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from raptor_core.exceptions import InvalidParameterError, TreeFormatError
+from raptor_core.store._format import MAX_DIM
 from raptor_core.tree import Node, Tree, is_carried
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "STRUCTURAL_PREFIX",
     "UNFILTERED_SHARE",
     "caller_layer_sizes",
+    "checked_dim",
     "checked_layer_sizes",
     "is_node_metadata",
     "layer_share",
@@ -101,6 +103,22 @@ def checked_layer_sizes(value: object) -> list[int] | None:
     ):
         return None
     return [int(n) for n in value]
+
+
+def checked_dim(value: object) -> int | None:
+    """``value`` as a vector dimension, or None when it is not an integer in ``1..MAX_DIM``.
+
+    Adapters record the dimension next to the tree (a store manifest, an index struct);
+    JSON allows NaN, floats, ``true`` and integers of any size there, and none of them may
+    reach a write (``np.zeros((1, dim))``) or a comparison with a query's dimension.
+
+    Examples:
+        >>> checked_dim(384), checked_dim(True), checked_dim(float("nan")), checked_dim(10**9)
+        (384, None, None, None)
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DIM:
+        return None
+    return value
 
 
 def caller_layer_sizes(sizes: Sequence[int]) -> list[int]:
