@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import warnings
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from raptor_core._imports import require
-from raptor_core.exceptions import EmbeddingError, InvalidParameterError
+from raptor_core.exceptions import EmbeddingError, InvalidParameterError, MissingDependencyError
 
 __all__ = ["ONNX_FORMAT", "OnnxEmbedder", "default_onnx_dir", "export_info", "export_onnx"]
 
@@ -70,29 +71,40 @@ def export_onnx(
     out_dir: str | Path,
     model_name_or_path: str = "all-MiniLM-L6-v2",
     *,
-    opset: int = 17,
+    opset: int = 18,
 ) -> Path:
     """Export a sentence-transformers model's transformer to ``out_dir`` for :class:`OnnxEmbedder`.
 
-    Runs once per model (seconds); needs torch, sentence-transformers and ``onnx``.
+    Runs once per model (seconds); needs torch 2.6 or later, sentence-transformers, ``onnx``
+    and ``onnxscript`` (the ``onnx`` extra).  The graph comes from torch's ``torch.export``-based
+    exporter (``dynamo=True``); the TorchScript exporter it replaces is deprecated in torch.
 
     Args:
         out_dir: directory to write (created; existing export files are replaced).
         model_name_or_path: as for :class:`SentenceTransformerEmbedder` (default: the packaged
             all-MiniLM-L6-v2).
-        opset: ONNX opset of the exported graph.
+        opset: ONNX opset of the exported graph (18, the exporter's own, by default: an older
+            one is converted after export).
 
     Returns:
         ``out_dir`` as a :class:`~pathlib.Path`.
 
     Raises:
         InvalidParameterError: the model is not Transformer + mean pooling (+ Normalize).
-        MissingDependencyError: torch, sentence-transformers or onnx is missing.
+        MissingDependencyError: torch, sentence-transformers, onnx or onnxscript is missing,
+            or torch is older than 2.6.
     """
     from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
 
     torch = require("torch", package="torch")
     require("onnx", extra="onnx")
+    require("onnxscript", extra="onnx")
+    if _version_tuple(torch.__version__) < (2, 6):
+        msg = (
+            f"export_onnx needs torch 2.6 or later (torch.export's dynamic dimensions); "
+            f"torch {torch.__version__} is installed: upgrade torch"
+        )
+        raise MissingDependencyError(msg)
     model = SentenceTransformerEmbedder(model_name_or_path, device="cpu").model
     modules = [type(m).__name__ for m in model]
     mean_only = len(modules) > 1 and getattr(model[1], "pooling_mode", None) == "mean"
@@ -124,23 +136,26 @@ def export_onnx(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    example = tuple(torch.ones(1, 8, dtype=torch.long) for _ in _INPUTS)
-    dynamic = {name: {0: "batch", 1: "tokens"} for name in (*_INPUTS, "last_hidden_state")}
+    # A batch of two: torch.export treats a dimension of size 1 as a constant.
+    example = tuple(torch.ones(2, 8, dtype=torch.long) for _ in _INPUTS)
+    dynamic = torch.export.Dim.DYNAMIC
     graph = _Graph(transformer.auto_model).train(False)  # inference mode: no dropout
     with torch.no_grad(), warnings.catch_warnings():
-        # The tracer notes Python-level branches it fixes as constants: all depend only on
-        # whether a mask is passed (always), not on sizes, which stay dynamic.
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        warnings.filterwarnings("ignore", message=".*advanced indexing", category=UserWarning)
+        # torch's own pytree code warns about its own deprecated call; nothing we can change.
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
         torch.onnx.export(
             graph,
             example,
             str(out / "model.onnx"),
             input_names=list(_INPUTS),
             output_names=["last_hidden_state"],
-            dynamic_axes=dynamic,
+            dynamic_shapes={name: {0: dynamic, 1: dynamic} for name in _INPUTS},
             opset_version=opset,
-            dynamo=False,  # the TorchScript exporter needs no onnxscript
+            dynamo=True,
+            # One self-contained file (a MiniLM is 90 MB, far below protobuf's 2 GB limit),
+            # so OnnxEmbedder never follows a path written inside the model.
+            external_data=False,
+            verbose=False,
         )
     tokenizer.backend_tokenizer.save(str(out / "tokenizer.json"))
     meta = {
@@ -288,6 +303,12 @@ class OnnxEmbedder:
     def embed_query(self, text: str) -> NDArray[np.float32]:
         """Embed one query; returns ``(d,)`` float32."""
         return self._encode([text], self.query_prompt)[0]
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """``(2, 13)`` for ``"2.13.0+cpu"``, ``(2, 6)`` for ``"2.6.0rc1"``: the major and minor."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else ()
 
 
 def _positive_int(value: object, limit: int) -> int | None:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -57,9 +58,45 @@ TEXTS = [
 ]
 
 
+EXPORT_WARNINGS: list[warnings.WarningMessage] = []
+
+
 @pytest.fixture(scope="module")
 def export_dir(tmp_path_factory: pytest.TempPathFactory, st_embedder) -> Path:
-    return export_onnx(tmp_path_factory.mktemp("onnx") / "minilm")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = export_onnx(tmp_path_factory.mktemp("onnx") / "minilm")
+    EXPORT_WARNINGS.extend(caught)
+    return out
+
+
+def test_export_is_one_file_made_without_deprecated_paths(export_dir: Path) -> None:
+    # torch's export-based exporter, not the deprecated TorchScript one (which warns that it
+    # will be removed), and the weights inside model.onnx: no external-data file beside it.
+    assert sorted(p.name for p in export_dir.iterdir()) == [
+        "model.onnx",
+        "raptor-onnx.json",
+        "tokenizer.json",
+    ]
+    noisy = [
+        f"{w.category.__name__}: {w.message}"
+        for w in EXPORT_WARNINGS
+        if issubclass(w.category, DeprecationWarning | FutureWarning)
+    ]
+    assert noisy == []
+
+
+def test_export_refuses_a_torch_without_dynamic_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from raptor_core.exceptions import MissingDependencyError
+
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cpu")
+    with pytest.raises(MissingDependencyError, match=r"torch 2\.6 or later.*2\.5\.1"):
+        export_onnx(tmp_path / "old")
+    assert not (tmp_path / "old").exists()
 
 
 def test_vectors_match_sentence_transformers(export_dir: Path, st_embedder) -> None:

@@ -159,6 +159,42 @@ def test_export_onnx_command_writes_where_query_looks(
     assert "raptor query` now embeds" in capsys.readouterr().out
 
 
+def test_export_onnx_command_hides_torchs_optional_operator_warnings(tmp_path: Path) -> None:
+    # torch's exporter warns once per torchvision operator it cannot register: four lines of
+    # noise on every `raptor export-onnx` where torchvision is not installed.
+    pytest.importorskip("torch")
+    import logging
+
+    import raptor_core.backends.onnx as onnx_backend
+    from raptor_core.cli import main
+
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    def fake_export(out_dir: Path, model: str) -> Path:
+        registration.warning("torchvision is not installed. Skipping torchvision::nms")
+        registration.error("a real failure")
+        return Path(out_dir)
+
+    onnx_logger = logging.getLogger("torch.onnx")
+    level = onnx_logger.level
+    handler = Collect()
+    registration.addHandler(handler)
+    real_export = onnx_backend.export_onnx
+    onnx_backend.export_onnx = fake_export  # type: ignore[assignment]
+    try:
+        assert main(["export-onnx", "--out", str(tmp_path)]) in (0, None)
+    finally:
+        onnx_backend.export_onnx = real_export
+        registration.removeHandler(handler)
+        onnx_logger.setLevel(level)
+    assert seen == ["a real failure"]
+
+
 def test_a_missing_onnxruntime_names_the_extra(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
