@@ -19,6 +19,7 @@ from raptor_langchain.dialects import (  # noqa: E402
     ChromaDialect,
     GenericDialect,
     InMemoryDialect,
+    MilvusDialect,
     QdrantDialect,
     StoreDialect,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "LangChainEmbedder",
     "LangChainLLM",
     "LangChainNodeStore",
+    "MilvusDialect",
     "QdrantDialect",
     "RaptorEmbeddings",
     "RaptorRetriever",

@@ -53,6 +53,7 @@ __all__ = [
     "FAISSDialect",
     "GenericDialect",
     "InMemoryDialect",
+    "MilvusDialect",
     "Pushdown",
     "QdrantDialect",
     "Row",
@@ -1091,6 +1092,301 @@ class GenericDialect:
         return theirs
 
 
+# -- Milvus (langchain_milvus) -------------------------------------------------------------------
+#: Rows per Milvus request (upsert, a fetched id chunk, a listed page); Milvus caps a query's
+#: ``offset + limit`` and a search's ``limit`` at 16,384.
+_MILVUS_BATCH = 1000
+_MILVUS_TOPK = 16_384
+_MILVUS_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _milvus_literal(value: str) -> str:
+    r"""A Milvus boolean-expression string literal for ``value``.
+
+    pymilvus's own ``get``/``delete(ids=...)`` and ``query_iterator`` quote ids with Python's
+    ``repr`` (Milvus rejects ``\c``), and Milvus Lite has no filter templates, so ids are
+    quoted here: Milvus reads the escapes below and takes any other character as is (it
+    rejects ``\u`` and ``\x`` escapes).
+    """
+    return '"' + "".join(_MILVUS_ESCAPES.get(ch, ch) for ch in value) + '"'
+
+
+def _milvus_in(field: str, values: Iterable[str | int]) -> str:
+    items = ", ".join(_milvus_literal(v) if isinstance(v, str) else str(int(v)) for v in values)
+    return f"{field} in [{items}]"
+
+
+class MilvusDialect:
+    """``langchain_milvus.Milvus`` (Milvus Lite, a local file, or a server), through its client.
+
+    Each document is one row in LangChain's layout: its id in the primary key (a VARCHAR:
+    create the store with ``auto_id=False``), its text in the text field, its vector in the
+    vector field, its metadata as dynamic fields (``enable_dynamic_field=True``, so any key
+    can be written and filtered).  Reads and writes go through the store's ``MilvusClient``
+    (``vectorstore.client``): rows are upserted with our vectors and read back with them
+    (exact scores, whatever the index's metric: ``L2``, ``IP`` and ``COSINE`` rank unit
+    vectors alike).  A store opened on a file without the collection creates it here in
+    that layout, with the store's ``index_params`` (default ``AUTOINDEX``, ``L2``).
+    Structure (layers, documents) is pushed down as a Milvus boolean expression; the core's
+    metadata filters are checked in Python.  Milvus keeps a text in a VARCHAR of at most
+    65,535 bytes: longer node texts are refused with advice.
+    """
+
+    name = "Milvus"
+    native_lists = True
+    has_vectors = True
+    can_count = True
+    fetch_filters = True
+
+    def __init__(self, vectorstore: VectorStore) -> None:
+        # langchain_milvus is optional: its attributes (client, field names) are untyped.
+        self.vectorstore: Any = vectorstore
+        self._checked = False
+
+    @property
+    def _client(self) -> Any:
+        return self.vectorstore.client
+
+    @property
+    def _collection(self) -> str:
+        return str(self.vectorstore.collection_name)
+
+    def _fields(self) -> tuple[str, str, str]:
+        """The primary key, text and vector field names, checked to be usable."""
+        store = self.vectorstore
+        vector = store._vector_field
+        fix = (
+            "create the store as Milvus(embeddings, connection_args={'uri': ...}, "
+            "collection_name=..., auto_id=False, enable_dynamic_field=True) on a new collection"
+        )
+        problem = None
+        if store.auto_id:
+            problem = "auto_id=True (Milvus would choose the ids; the tree needs its own)"
+        elif not store.enable_dynamic_field:
+            problem = "enable_dynamic_field=False (the tree's metadata keys are not all known)"
+        elif not isinstance(vector, str) or getattr(store, "builtin_func", None):
+            problem = "several vector fields or built-in functions (the tree has one vector)"
+        if problem is None and not self._checked and self._exists():
+            problem = self._schema_problem(store._primary_field, vector)
+        if problem is not None:
+            msg = f"this Milvus store cannot hold a RAPTOR tree: {problem}; {fix}"
+            raise InvalidParameterError(msg)
+        self._checked = self._checked or self._exists()
+        return str(store._primary_field), str(store._text_field), str(vector)
+
+    def _exists(self) -> bool:
+        return bool(self._client.has_collection(self._collection))
+
+    def _schema_problem(self, primary: str, vector: str) -> str | None:
+        info = self._client.describe_collection(self._collection)
+        types = {f["name"]: f for f in info.get("fields", [])}
+        if not info.get("enable_dynamic_field"):
+            return f"the collection {self._collection!r} has no dynamic field"
+        key = types.get(primary)
+        if (
+            key is None
+            or not key.get("is_primary")
+            or str(key["type"]) != str(_milvus_type("VARCHAR"))
+        ):
+            return f"the collection's primary key {primary!r} is not a VARCHAR"
+        vec = types.get(vector)
+        if vec is None or str(vec["type"]) != str(_milvus_type("FLOAT_VECTOR")):
+            return f"the collection has no FLOAT_VECTOR field {vector!r}"
+        return None
+
+    def _create(self, dim: int) -> None:
+        """The collection in LangChain's layout, indexed with the store's ``index_params``."""
+        from pymilvus import DataType
+
+        primary, text, vector = self._fields()
+        client = self._client
+        schema = client.create_schema(auto_id=False, enable_dynamic_field=True)
+        schema.add_field(text, DataType.VARCHAR, max_length=65_535)
+        schema.add_field(primary, DataType.VARCHAR, is_primary=True, max_length=65_535)
+        schema.add_field(vector, DataType.FLOAT_VECTOR, dim=int(dim))
+        params = self.vectorstore.index_params
+        if not isinstance(params, Mapping):
+            params = {"metric_type": "L2", "index_type": "AUTOINDEX", "params": {}}
+        index = client.prepare_index_params()
+        index.add_index(field_name=vector, **dict(params))
+        client.create_collection(
+            self._collection,
+            schema=schema,
+            index_params=index,
+            consistency_level=self.vectorstore.consistency_level,
+        )
+        self._checked = False
+
+    def _row(self, entity: Mapping[str, Any], vectors: bool) -> Row:
+        primary, text, vector = self._fields()
+        meta = {k: v for k, v in entity.items() if k not in (primary, text, vector)}
+        doc = Document(id=str(entity[primary]), page_content=entity.get(text) or "", metadata=meta)
+        found = entity.get(vector) if vectors else None
+        return Row(doc, None if found is None else np.asarray(found, dtype=np.float32))
+
+    def upsert(self, documents: Sequence[Document], vectors: NDArray[np.float32]) -> None:
+        """``client.upsert`` of whole rows (dynamic fields replaced), in batches.
+
+        A metadata key named like one of the collection's fields would overwrite it: such
+        keys are left out (the node keeps them in ``raptor_metadata``).
+        """
+        if len(documents) == 0:
+            return
+        if not self._exists():
+            self._create(int(vectors.shape[1]))
+        primary, text, vector = self._fields()
+        for doc in documents:
+            if len(doc.page_content.encode("utf-8")) > 65_535:
+                msg = (
+                    f"node {doc.id!r} has a text of more than 65,535 bytes, the most a Milvus "
+                    "VARCHAR holds; split the documents into smaller chunks"
+                )
+                raise InvalidInputError(msg)
+        for start in range(0, len(documents), _MILVUS_BATCH):
+            part = documents[start : start + _MILVUS_BATCH]
+            rows = []
+            for doc, vec in zip(part, vectors[start : start + _MILVUS_BATCH], strict=True):
+                row = {k: v for k, v in doc.metadata.items() if k not in (primary, text, vector)}
+                row.update({primary: str(doc.id), text: doc.page_content, vector: vec.tolist()})
+                rows.append(row)
+            self._client.upsert(self._collection, rows)
+
+    def fetch(self, ids: Sequence[str], *, native: Any, vectors: bool) -> list[Row]:
+        """``client.query`` on the primary key (and ``native``), in batches."""
+        if not ids or not self._exists():
+            return []
+        primary, _, _ = self._fields()
+        rows: list[Row] = []
+        for start in range(0, len(ids), _MILVUS_BATCH):
+            expr = _milvus_in(primary, [str(i) for i in ids[start : start + _MILVUS_BATCH]])
+            if native is not None:
+                expr = f"({expr}) and ({native})"
+            found = self._client.query(self._collection, filter=expr, output_fields=["*"])
+            rows += [self._row(e, vectors) for e in found]
+        return rows
+
+    def query(self, vector: NDArray[np.float32], m: int, *, native: Any) -> list[Row]:
+        """``client.search`` with the stored vectors included (an exact scan past Milvus's top k)."""
+        if not self._exists():
+            return []
+        _, _, field = self._fields()
+        if m > _MILVUS_TOPK:
+            rows = [self._row(e, True) for e in self._pages(native, ["*"])]
+            if not rows:
+                return []
+            matrix = np.stack([np.asarray(r.vector, dtype=np.float32) for r in rows])
+            ids = [str(r.document.id) for r in rows]
+            return [rows[i] for i, _ in nearest_rows(vector, matrix, ids, m)]
+        found = self._client.search(
+            self._collection,
+            data=[np.asarray(vector, dtype=np.float32).tolist()],
+            anns_field=field,
+            limit=int(m),
+            filter=native or "",
+            output_fields=["*"],
+        )
+        return [self._row(hit["entity"], True) for hit in found[0]]
+
+    def delete(self, ids: Sequence[str]) -> None:
+        """``client.delete`` by an expression on the primary key (unknown ids are ignored)."""
+        if not ids or not self._exists():
+            return
+        primary, _, _ = self._fields()
+        for start in range(0, len(ids), _MILVUS_BATCH):
+            expr = _milvus_in(primary, [str(i) for i in ids[start : start + _MILVUS_BATCH]])
+            self._client.delete(self._collection, filter=expr)
+
+    def count(self) -> int:
+        """``count(*)`` (exact, deleted rows left out)."""
+        if not self._exists():
+            return 0
+        found = self._client.query(self._collection, filter="", output_fields=["count(*)"])
+        return int(found[0]["count(*)"])
+
+    def _pages(self, native: Any, output: list[str]) -> Iterator[Mapping[str, Any]]:
+        """Every row passing ``native``, a page at a time in primary-key order.
+
+        pymilvus's ``query_iterator`` quotes its cursor with ``repr`` (see
+        :func:`_milvus_literal`), so the cursor is kept here, with the same request flags.
+        """
+        if not self._exists():
+            return
+        primary, _, _ = self._fields()
+        last: str | None = None
+        while True:
+            parts = [] if last is None else [f"{primary} > {_milvus_literal(last)}"]
+            if native is not None:
+                parts.append(f"({native})")
+            page = self._client.query(
+                self._collection,
+                filter=" and ".join(parts),
+                limit=_MILVUS_BATCH,
+                output_fields=[primary, *output],
+                iterator="True",
+                reduce_stop_for_best="True",
+            )
+            yield from page
+            if len(page) < _MILVUS_BATCH:
+                return
+            # Milvus compares strings byte by byte (UTF-8)
+            last = max((str(e[primary]) for e in page), key=lambda k: k.encode("utf-8"))
+
+    def scan(self) -> Iterator[Document]:
+        """Every document, a page at a time."""
+        for entity in self._pages(None, ["*"]):
+            yield self._row(entity, False).document
+
+    def max_layer(self) -> int:
+        """The highest layer among the documents (-1: none)."""
+        top = -1
+        for entity in self._pages("raptor_layer >= 0", ["raptor_layer"]):
+            layer = entity.get("raptor_layer")
+            if isinstance(layer, int) and not isinstance(layer, bool):
+                top = max(top, layer)
+        return top
+
+    def dim(self) -> int | None:
+        """The dimension of the collection's vector field (None: no collection yet)."""
+        if not self._exists():
+            return None
+        _, _, vector = self._fields()
+        for field in self._client.describe_collection(self._collection).get("fields", []):
+            if field.get("name") == vector:
+                return int(field.get("params", {})["dim"])
+        return None
+
+    def translate(self, pushdown: Pushdown) -> tuple[Any, bool]:
+        """A Milvus expression on layers and documents; the user's ``where`` stays in Python.
+
+        Not exact when there is a ``where``, when carried copies are excluded (rare in a top
+        k, dropped in Python), or when there is no filter (the manifest may come back).
+        """
+        clauses: list[str] = []
+        if pushdown.layers is not None:
+            clauses.append(_milvus_in("raptor_layer", sorted(pushdown.layers)))
+        if pushdown.doc_ids is not None:
+            clauses.append(_milvus_in("raptor_doc_id", sorted(pushdown.doc_ids)))
+        if not clauses:
+            return None, False
+        exact = pushdown.where is None and pushdown.include_carried
+        return " and ".join(clauses), exact
+
+    def conjoin(self, ours: Any, theirs: Any) -> Any:
+        """An expression that must pass both."""
+        if ours is None or theirs is None:
+            return theirs if ours is None else ours
+        if not isinstance(theirs, str):
+            msg = f"a Milvus filter is a boolean expression string, got {type(theirs).__name__}"
+            raise InvalidParameterError(msg)
+        return f"({ours}) and ({theirs})"
+
+
+def _milvus_type(name: str) -> Any:
+    from pymilvus import DataType
+
+    return getattr(DataType, name)
+
+
 def dialect_for(vectorstore: VectorStore) -> StoreDialect:
     """The dialect for ``vectorstore``: a specific one when known, else the generic one.
 
@@ -1108,5 +1404,7 @@ def dialect_for(vectorstore: VectorStore) -> StoreDialect:
         return QdrantDialect(vectorstore)
     if is_instance_of(vectorstore, "langchain_community.vectorstores", "FAISS"):
         return FAISSDialect(vectorstore)
+    if is_instance_of(vectorstore, "langchain_milvus", "Milvus"):
+        return MilvusDialect(vectorstore)
     logger.info("no dialect for %s: using the generic VectorStore API", type(vectorstore))
     return GenericDialect(vectorstore)
