@@ -31,11 +31,13 @@ def milvus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("milvus") / "raptor.db"
 
 
-def milvus_store(path: Path, dim: int, **kwargs: object) -> Milvus:
+def milvus_store(
+    path: Path, dim: int, embedder: FakeEmbedder | None = None, **kwargs: object
+) -> Milvus:
     options: dict[str, object] = {"auto_id": False, "enable_dynamic_field": True}
     options.update(kwargs)
     return Milvus(
-        RaptorEmbeddings(FakeEmbedder(dim=dim)),
+        RaptorEmbeddings(embedder or FakeEmbedder(dim=dim)),
         connection_args={"uri": str(path)},
         collection_name=f"c{next(_names)}",
         **options,  # type: ignore[arg-type]
@@ -88,3 +90,70 @@ def test_odd_ids_round_trip(milvus_file: Path) -> None:
     assert dialect.count() == 2 and dialect.max_layer() == 1 and dialect.dim() == 4
     dialect.delete([odd, "none"])
     assert dialect.count() == 1
+
+
+def test_retriever_built_into_milvus_answers_and_updates_as_in_memory(milvus_file: Path) -> None:
+    # The whole retriever path: from_documents writes every layer into Milvus, a retriever
+    # opened on the store reads the tree back from it, and updates land there as they land
+    # in LangChain's in-memory store.  (The same store object is reopened: langchain-milvus
+    # 0.3.3 cannot construct a store on an existing collection with pymilvus >= 2.6.10.)
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    from raptor_core.testing import EchoSummarizer, GroupClusterer, WhitespaceTokenizer
+    from raptor_langchain import RaptorRetriever
+
+    class TieFree(FakeEmbedder):
+        # Queries nudged off the bag-of-words model's exact ties at score 0: which of
+        # several tied nodes a store ranks first is its own business.
+        def embed_query(self, text: str) -> np.ndarray:
+            q = super().embed_query(text)
+            nudge = np.random.default_rng(1234).standard_normal(q.shape[0]).astype(np.float32)
+            q = q + 0.05 * nudge / np.linalg.norm(nudge)
+            return (q / np.linalg.norm(q)).astype(np.float32)
+
+    embedder = TieFree(dim=32)
+    options = {
+        "tokenizer": WhitespaceTokenizer(),
+        "clusterer": GroupClusterer(2),
+        "summarizer": EchoSummarizer(),
+        "chunk_max_tokens": 8,
+        "min_layer_size": 2,
+        "max_layers": 2,
+    }
+    documents = [
+        Document(id="bees", metadata={"topic": "nature"},
+                 page_content="Bees dance to show where flowers are. Bees make honey from "
+                 "nectar. The queen lays eggs all summer."),
+        Document(id="rockets", metadata={"topic": "space"},
+                 page_content="Rockets burn fuel and oxidiser. Rockets reach orbit at eight "
+                 "kilometres per second. Boosters land on barges."),
+        Document(id="lava", metadata={"topic": "nature"},
+                 page_content="Volcanoes erupt lava and ash. Ash clouds ground aircraft for "
+                 "days. Lava cools into basalt."),
+    ]  # fmt: skip
+    milvus = milvus_store(milvus_file, embedder.dim, embedder)
+    built = RaptorRetriever.from_documents(documents, vectorstore=milvus, k=3, **options)
+    memory = RaptorRetriever.from_documents(
+        documents, vectorstore=InMemoryVectorStore(RaptorEmbeddings(embedder)), k=3, **options
+    )
+
+    def ids(retriever: RaptorRetriever, query: str) -> list[str]:
+        return [str(d.id) for d in retriever.invoke(query)]
+
+    for query in ("rocket orbit", "bread starter", "lava and ash", "bees and honey"):
+        assert ids(built, query) == ids(memory, query)
+    reopened = RaptorRetriever.from_vectorstore(milvus, k=3, embeddings=embedder)
+    mirror = RaptorRetriever.from_vectorstore(memory.vectorstore, k=3, embeddings=embedder)  # type: ignore[arg-type]
+    assert reopened.store is not None and mirror.store is not None
+    assert sorted(n.id for n in reopened.store) == sorted(n.id for n in mirror.store)
+    extra = [Document(page_content="Glaciers carve valleys. Ice flows downhill slowly.", id="ice")]
+    for retriever in (reopened, mirror):
+        retriever.add_documents(extra)
+        retriever.delete(["rockets"])
+    assert sorted(n.id for n in reopened.store) == sorted(n.id for n in mirror.store)
+    for query in ("glaciers and ice", "rocket orbit"):
+        assert ids(reopened, query) == ids(mirror, query)
+    filtered = reopened.invoke("lava", filter='topic == "nature"')
+    assert filtered and all(
+        d.metadata.get("topic") == "nature" for d in filtered if d.metadata.get("raptor_layer") == 0
+    )
