@@ -10,10 +10,13 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raptor_core._argtypes import MAX_SEED, int_range
-from raptor_core.exceptions import InvalidParameterError
+from raptor_core.exceptions import InvalidInputError, InvalidParameterError
+
+if TYPE_CHECKING:
+    from raptor_core.evaluation.data import Question
 
 __all__ = ["add_eval_parser"]
 
@@ -147,6 +150,56 @@ def _progress(enabled: bool) -> Any:
     return bars, update
 
 
+def _scorable(question: Question, *, reader: bool) -> bool:
+    """Whether any metric of :func:`~raptor_core.evaluation.runner.evaluate` can score it.
+
+    The same rules as the metrics at the command line's settings (the default run length
+    and answer filter): a one-word or numeric answer and a passage shorter than the run
+    length are never scored, and a multiple-choice question only with a reader.
+    """
+    from raptor_core.evaluation.metrics import DEFAULT_NGRAM, scorable_answers, tokens
+
+    return bool(
+        scorable_answers(question.answers)
+        or any(len(tokens(passage)) >= DEFAULT_NGRAM for passage in question.evidence)
+        or question.evidence_sections
+        or question.evidence_turn_spans
+        or (reader and question.gold_option is not None)
+    )
+
+
+def _check_gold(questions: list[Question], args: argparse.Namespace) -> int:
+    """How many questions no metric can score; InvalidInputError when that is all of them.
+
+    Without any gold the run would build every tree (the expensive part) and report only
+    null metrics, so it stops here, before anything is built.
+    """
+    reader = args.reader == "llm"
+    unscored = [q for q in questions if not _scorable(q, reader=reader)]
+    if questions and len(unscored) == len(questions):
+        limited = args.limit_docs is not None or args.limit_questions is not None
+        which = " selected by --limit-docs/--limit-questions" if limited else ""
+        hint = ""
+        if not reader and any(q.gold_option is not None for q in questions):
+            hint = "; multiple-choice questions are scored only with --reader llm --llm openai"
+        msg = (
+            f"none of the {len(questions)} questions{which} in {args.questions} has a gold "
+            "field a metric can score, so every score would be null: give questions "
+            "'evidence' (passages of 4 or more words copied from the document), 'answers' "
+            "(of 2 or more words, not numbers), 'evidence_sections' or "
+            f"'evidence_turn_spans', or 'options' with 'gold_option'{hint} "
+            "(see docs/evaluation.md, Input format)"
+        )
+        raise InvalidInputError(msg)
+    if unscored and not args.quiet:
+        print(
+            f"raptor eval: note: {len(unscored)} of {len(questions)} questions have no gold "
+            "field a metric can score and count in no metric (see docs/evaluation.md)",
+            file=sys.stderr,
+        )
+    return len(unscored)
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from raptor_core.evaluation import report
     from raptor_core.evaluation.data import load_documents, load_questions, select
@@ -174,6 +227,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     docs, questions = select(
         docs, questions, limit_docs=args.limit_docs, limit_questions=args.limit_questions
     )
+    unscored = _check_gold(questions, args)
     embedder = None
     if args.embed_model:
         from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
@@ -230,7 +284,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.quiet:
         return 0
     if args.json:
-        print(json.dumps({"summary": result.summary, "skipped": result.skipped}, indent=1))
+        shown = {"summary": result.summary, "skipped": result.skipped, "unscored": unscored}
+        print(json.dumps(shown, indent=1))
         return 0
     report.print_table(result)
     print(f"wrote {', '.join(map(str, written))} in {time.perf_counter() - started:.1f}s")
