@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from raptor_core.cli._common import check_unicode
-from raptor_core.exceptions import InvalidParameterError
+from raptor_core.exceptions import EmbeddingError, InvalidParameterError
 
 __all__ = ["build_models", "make_embedder", "parse_embedder_spec", "query_embedder", "search_llm"]
 
@@ -50,15 +50,25 @@ def make_embedder(
             dimensions=dimensions,
         )
     if provider == "onnx":
-        from raptor_core.backends.onnx import OnnxEmbedder
+        from raptor_core.backends.onnx import OnnxEmbedder, export_info
 
-        if not Path(model).expanduser().is_dir():
+        directory = Path(model).expanduser()
+        if not directory.is_dir():
             msg = (
                 f"--embedder onnx:{model}: no such directory: write an export there with "
                 f"`raptor export-onnx --out {model}`"
             )
             raise InvalidParameterError(msg)
-        return OnnxEmbedder(model)
+        embedder = OnnxEmbedder(directory)
+        if export_info(directory) is None:
+            # A folder that holds no export is the command line's mistake, as a missing one
+            # is; the embedder's own check says which files are missing or what is wrong.
+            try:
+                _ = embedder.dim
+            except EmbeddingError as exc:
+                msg = f"--embedder onnx:{model}: {exc}"
+                raise InvalidParameterError(msg) from exc
+        return embedder
     from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
 
     # A hub name ("org/name") and a relative folder look alike; a path written as one (from

@@ -452,5 +452,9 @@ def test_an_embedder_path_that_is_not_there_is_a_usage_error(
 def test_a_folder_that_is_no_onnx_export_says_how_to_write_one(
     tree_dir: Path, tmp_path: Path
 ) -> None:
+    # A usage error, as a folder that is not there: the command line named the wrong folder.
+    (tmp_path / "tokenizer.json").write_text("{}", encoding="utf-8")
     proc = run("query", str(tree_dir), "cats", "--embedder", f"onnx:{tmp_path}")
-    assert f"raptor export-onnx --out {tmp_path}" in one_line_error(proc, 1)
+    line = one_line_error(proc, 2)
+    assert "is not an ONNX export (missing model.onnx, raptor-onnx.json)" in line
+    assert f"raptor export-onnx --out {tmp_path}" in line
