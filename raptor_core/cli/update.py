@@ -160,6 +160,60 @@ def _check_same_files(tree: Any, docs: list[Any]) -> None:
                 f"as {same} so that it is replaced, not added a second time"
             )
             raise InvalidInputError(msg)
+    _check_build_directory(tree, docs, have)
+
+
+def _relative_file_ids(tree: Any) -> list[str]:
+    """The ids of the tree's file documents that are relative paths (records excluded)."""
+    ids: dict[str, None] = {}
+    for leaf in tree.leaves:
+        doc_id = leaf.doc_id
+        is_file = doc_id is not None and leaf.metadata.get("source") == doc_id
+        if is_file and not os.path.isabs(doc_id):
+            ids.setdefault(doc_id, None)
+    return list(ids)
+
+
+def _check_build_directory(tree: Any, docs: list[Any], have: set[str]) -> None:
+    """Refuse a file that looks like one of the tree's, run from another working directory.
+
+    A relative id (``docs/a.txt``) is relative to the directory the tree was built from,
+    which the tree does not record.  From elsewhere, the same file given as ``a.txt`` or
+    ``../proj/docs/a.txt`` is a new id: it would be added beside the old copy, which stays.
+    When none of the tree's relative ids exists from here (so this is evidently not the
+    directory they were written from), a given file with the name of one of them is
+    refused rather than guessed at.
+    """
+    given = [d for d in docs if d.doc_id not in have and d.metadata.get("source") == d.doc_id]
+    if not given:
+        return
+    relative = _relative_file_ids(tree)
+    if not relative or any(os.path.exists(doc_id) for doc_id in relative):
+        return
+    by_name: dict[str, list[str]] = {}
+    for doc_id in relative:
+        by_name.setdefault(os.path.basename(doc_id), []).append(doc_id)
+    for doc in given:
+        same_name = by_name.get(os.path.basename(doc.doc_id))
+        if not same_name:
+            continue
+        real = os.path.realpath(doc.doc_id)
+        # The id that ends the file's real path names the directory the build ran in.
+        where = "the directory the tree was built from"
+        recorded = same_name[0]
+        for doc_id in same_name:
+            tail = os.sep + os.path.normpath(doc_id)
+            if real.endswith(tail):
+                recorded, where = doc_id, path_text(Path(real[: -len(tail)] or os.sep))
+                break
+        msg = (
+            f"{doc.doc_id} looks like the tree's document {recorded!r} given from another "
+            "directory: a file's id is its path as given at build time, and none of the "
+            f"tree's relative ids exists from here; run the command from {where} "
+            f"with the same paths ({recorded}) so that it is replaced, not added a second "
+            f"time (if it is another file, raptor remove {recorded} first)"
+        )
+        raise InvalidInputError(msg)
 
 
 def _note_files_gone(args: argparse.Namespace, tree: Any, docs: list[Any]) -> None:

@@ -138,3 +138,65 @@ def test_update_of_a_folder_names_documents_whose_file_is_gone(setup: tuple[Path
     assert note in proc.stderr
     assert f"raptor remove {tree_dir} {files / 'rockets.txt'}" in proc.stderr
     assert str(files / "rockets.txt") in Tree.load(tree_dir).doc_ids  # noted, not removed
+
+
+@pytest.fixture
+def relative(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """A tree built in ``proj`` from the relative paths docs/cats.txt and docs/rockets.txt."""
+    project = tmp_path / "proj"
+    (project / "docs").mkdir(parents=True)
+    for name in ("cats.txt", "rockets.txt"):
+        (project / "docs" / name).write_text(TOPICS[name], encoding="utf-8")
+    docs = [
+        {"doc_id": f"docs/{n}", "text": TOPICS[n], "metadata": {"source": f"docs/{n}"}}
+        for n in ("cats.txt", "rockets.txt")
+    ]
+    monkeypatch.chdir(project)
+    builder = TreeBuilder(
+        FakeEmbedder(16), EchoSummarizer(), clusterer=GroupClusterer(2), chunk_max_tokens=8
+    )
+    builder.build(docs).save(project / "tree")
+    return project, project / "tree"
+
+
+@pytest.mark.parametrize(
+    ("where", "given"), [("proj/docs", "cats.txt"), (".", "proj/docs/cats.txt")]
+)
+def test_a_file_given_from_another_directory_is_refused_with_the_build_directory(
+    relative: tuple[Path, Path], where: str, given: str
+) -> None:
+    """From outside ``proj`` the tree's ids name no file; the same file by another path is refused."""
+    project, tree_dir = relative
+    (project / "docs" / "cats.txt").write_text("Cats purr loudly. Kittens nap all day.", "utf-8")
+    saved = (tree_dir / "tree.json").read_bytes()
+    proc = raptor("update", str(tree_dir), given, "--no-progress", cwd=project.parent / where)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{given} looks like the tree's document 'docs/cats.txt'" in lines[0]
+    assert f"run the command from {project} with the same paths (docs/cats.txt)" in lines[0]
+    assert (tree_dir / "tree.json").read_bytes() == saved
+
+
+def test_from_the_build_directory_a_file_of_the_same_name_is_another_document(
+    relative: tuple[Path, Path],
+) -> None:
+    project, tree_dir = relative
+    (project / "other").mkdir()
+    (project / "other" / "cats.txt").write_text(TOPICS["bread.txt"], "utf-8")
+    proc = raptor("add", str(tree_dir), "other/cats.txt", "--no-progress", cwd=project)
+    assert proc.returncode == 0, proc.stderr
+    assert Tree.load(tree_dir).doc_ids == ("docs/cats.txt", "docs/rockets.txt", "other/cats.txt")
+
+
+def test_a_file_of_a_tree_s_name_elsewhere_is_refused_without_a_guessed_directory(
+    relative: tuple[Path, Path],
+) -> None:
+    project, tree_dir = relative
+    elsewhere = project.parent / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "cats.txt").write_text(TOPICS["cats.txt"], "utf-8")
+    proc = raptor("update", str(tree_dir), "cats.txt", "--no-progress", cwd=elsewhere)
+    assert proc.returncode == 2, proc.stderr
+    assert "run the command from the directory the tree was built from" in proc.stderr
+    assert Tree.load(tree_dir).doc_ids == ("docs/cats.txt", "docs/rockets.txt")
