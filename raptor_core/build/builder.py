@@ -584,7 +584,9 @@ class TreeBuilder:
 
         A document whose chunks (ids derive from its id, spans and text) and metadata are
         those already in the tree is left alone and costs nothing: see
-        ``report.docs_unchanged``.  A changed one is deleted and re-inserted in one pass.
+        ``report.docs_unchanged``.  One whose chunks are the same with other metadata is
+        relabelled in place (nothing is embedded or summarised; its nodes are in
+        ``report.nodes_changed``).  A changed one is deleted and re-inserted in one pass.
         """
         from raptor_core.build.incremental import _UpdateRun, prepare_update, run_sync
 
@@ -1296,14 +1298,6 @@ def summary_node(*, layer: int, text: str, members: Sequence[Node], token_count:
     for member in members:
         for doc_id in member.doc_ids:
             covered.setdefault(doc_id, None)
-    shared = {
-        key: value
-        for key, value in members[0].metadata.items()
-        if key != "carried" and all(m.metadata.get(key, _MISSING) == value for m in members[1:])
-    }
-    carried = len(members) == 1
-    if carried:
-        shared["carried"] = True
     return Node(
         id=summary_id(layer, [m.id for m in members]),
         text=text,
@@ -1312,8 +1306,24 @@ def summary_node(*, layer: int, text: str, members: Sequence[Node], token_count:
         children=tuple(m.id for m in members),
         doc_id=next(iter(covered)) if len(covered) == 1 else None,
         doc_ids=tuple(covered),
-        metadata=shared,
+        metadata=summary_metadata(members),
     )
+
+
+def summary_metadata(members: Sequence[Node]) -> dict[str, Any]:
+    """The metadata of the node summarising ``members`` (see :func:`summary_node`).
+
+    Apart from ``summary_node``, an update whose documents changed only their metadata calls
+    it: a summary then keeps its id, text and vector, and only this is recomputed.
+    """
+    shared = {
+        key: value
+        for key, value in members[0].metadata.items()
+        if key != "carried" and all(m.metadata.get(key, _MISSING) == value for m in members[1:])
+    }
+    if len(members) == 1:
+        shared["carried"] = True
+    return shared
 
 
 _MISSING = object()

@@ -5,7 +5,12 @@ their async twins) call :func:`apply_changes`, which maintains the tree *locally
 layer from the leaves up:
 
 1. **Leaves.**  The leaves of deleted (or replaced) documents go; the new documents are chunked
-   and only their chunks are embedded.
+   and only their chunks are embedded.  A document whose leaves are the tree's (ids, texts,
+   spans, order) with other metadata is *relabelled* in place: its leaves take the new
+   metadata and keep everything else, and the summaries above them keep id, text and
+   vector and only recompute the metadata they derive from their members
+   (:func:`~raptor_core.build.builder.summary_metadata`).  No embedding or summary depends on
+   metadata, so this is the tree a fresh build with the new metadata gives, for free.
 2. **Placement.**  Every node of layer ``l - 1`` that has no parent yet (a new leaf, or a new
    cluster formed below) is compared with the clusters of layer ``l``, each represented by the
    normalised mean (centroid) of its members' vectors *before* the change.  It joins the most
@@ -49,7 +54,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import NDArray
 
-from raptor_core.build.builder import _BuildRun, _document_items, summary_node, to_documents
+from raptor_core.build.builder import (
+    _BuildRun,
+    _document_items,
+    summary_metadata,
+    summary_node,
+    to_documents,
+)
 from raptor_core.build.ids import summary_id
 from raptor_core.exceptions import InvalidInputError, InvalidParameterError
 from raptor_core.tree import Node, Tree
@@ -81,14 +92,16 @@ class UpdateReport:
 
     Attributes:
         docs_added: documents that were not in the tree before.
-        docs_replaced: documents whose text or metadata changed (their old leaves went).
+        docs_replaced: documents whose text or metadata changed (their old leaves went, or,
+            when only the metadata changed, took the new metadata in place).
         docs_removed: documents deleted.
         docs_unchanged: documents passed to ``update`` whose chunks and metadata were
             identical to the tree's (nothing was paid for them).
         nodes_added: ids of nodes in the new tree that the old one did not have.
         nodes_removed: ids of nodes of the old tree that are gone.
         nodes_changed: ids kept with new content (a document's metadata changed but not its
-            text, so its chunks keep their ids).
+            text: its leaves, and the summaries above them whose shared metadata changed, keep
+            their ids, texts and vectors).
         nodes_relinked: ids kept with the same content whose parents changed; stores that
             keep each node's parents (external vector stores) must rewrite these too.
         summary_calls: summaries requested from the summariser.
@@ -314,6 +327,10 @@ class _UpdateRun(_BuildRun):
         self.replaced: dict[str, list[str]] = {}
         self.orphans: list[str] = []  # new nodes of the last layer without a parent yet
         self.dirty: set[str] = set()  # nodes of the last layer that were (re)computed
+        # Leaves of documents whose metadata alone changed (id -> the leaf with its new
+        # metadata), and the nodes of the last layer kept in place with new metadata.
+        self.relabelled: dict[str, Node] = {}
+        self.relabelled_ids: set[str] = set()
         self.docs_added: list[str] = []
         self.docs_replaced: list[str] = []
         self.docs_unchanged: list[str] = []
@@ -341,10 +358,18 @@ class _UpdateRun(_BuildRun):
             if source in existing:
                 old = old_leaves.get(source, [])
                 # The text too: a pre-split chunk's id is its tool's, not derived from its text.
-                if [(n.id, n.text, dict(n.metadata)) for n in new] == [
-                    (n.id, n.text, dict(n.metadata)) for n in old
-                ]:
-                    self.docs_unchanged.append(source)
+                if [(n.id, n.text, n.span) for n in new] == [(n.id, n.text, n.span) for n in old]:
+                    if [dict(n.metadata) for n in new] == [dict(n.metadata) for n in old]:
+                        self.docs_unchanged.append(source)
+                        continue
+                    # Only the metadata changed.  Neither a leaf's vector (its text, and the
+                    # heading above it, which its span pins) nor a summary depends on it: the
+                    # leaves are updated in place, their ancestors' metadata recomputed, and
+                    # nothing is embedded or summarised (a rebuild would make the same tree).
+                    self.docs_replaced.append(source)
+                    for before, after in zip(old, new, strict=True):
+                        if before.metadata != after.metadata:
+                            self.relabelled[before.id] = replace(before, metadata=after.metadata)
                     continue
                 self.docs_replaced.append(source)
                 self.removing.append(source)
@@ -356,7 +381,7 @@ class _UpdateRun(_BuildRun):
 
     @property
     def nothing_to_do(self) -> bool:
-        return not self.layer_nodes and not self.removing
+        return not self.layer_nodes and not self.removing and not self.relabelled
 
     def commit_leaves(self, vectors: NDArray[np.float32]) -> None:
         gone = set(self.removing)
@@ -366,7 +391,9 @@ class _UpdateRun(_BuildRun):
             node = self.tree.nodes[r]
             if node.doc_id in gone:
                 self.replaced[node.id] = []
-        nodes = [self.tree.nodes[r] for r in kept_rows] + self.layer_nodes
+        kept = [self.tree.nodes[r] for r in kept_rows]
+        nodes = [self.relabelled.get(n.id, n) for n in kept] + self.layer_nodes
+        self.relabelled_ids = set(self.relabelled)
         vecs = [self.tree.embeddings[kept_rows]]
         if self.layer_nodes:
             vecs.append(self.leaf_vectors(vectors))
@@ -521,7 +548,7 @@ class _UpdateRun(_BuildRun):
             )
         vecs = self.assemble_vectors(fresh) if made else self.layer_vectors[:0]
         self.report["embedded_summaries"] += int(fresh.shape[0]) if made else 0
-        kept = [self.tree.nodes[r] for r in self.kept_rows]
+        kept = self._kept_with_metadata()
         self.out_nodes.append(kept + made)
         parts = [self.tree.embeddings[self.kept_rows]]
         if made:
@@ -529,6 +556,28 @@ class _UpdateRun(_BuildRun):
         self.out_vectors.append(np.concatenate(parts).astype(np.float32, copy=False))
         self.orphans = self.next_orphans
         self.dirty = {n.id for n in made}
+
+    def _kept_with_metadata(self) -> list[Node]:
+        """The layer's kept nodes, their metadata recomputed where a member's changed.
+
+        A kept node's members are the same nodes as before (ids, texts, vectors), so its id,
+        text and vector stay; only the metadata it derives from them may differ.
+        """
+        kept = [self.tree.nodes[r] for r in self.kept_rows]
+        if not self.relabelled_ids:
+            return kept
+        below = {n.id: n for n in self.out_nodes[-1]}
+        out: list[Node] = []
+        relabelled: set[str] = set()
+        for node in kept:
+            if any(c in self.relabelled_ids for c in node.children):
+                metadata = summary_metadata([below[c] for c in node.children])
+                if metadata != node.metadata:
+                    node = replace(node, metadata=metadata)
+                    relabelled.add(node.id)
+            out.append(node)
+        self.relabelled_ids = relabelled
+        return out
 
     def finish_update(self, op: str) -> TreeUpdate:
         """Assemble the new tree and the report."""

@@ -166,6 +166,149 @@ def test_update_of_metadata_only_keeps_leaf_ids() -> None:
     check_tree_invariants(result.tree, extractive=True)
 
 
+def tagged_docs(tags: dict[str, dict[str, object]]) -> list[Document]:
+    """The base documents (and a Markdown one, embedded with its heading) with metadata."""
+    docs = [doc(name) for name in ("cats", "rockets", "bread", "rivers", "music")]
+    docs.append(Document(text="# Openings\n\n" + doc("chess", n=4).text, doc_id="chess"))
+    return [Document(text=d.text, doc_id=d.doc_id, metadata=tags.get(d.doc_id, {})) for d in docs]
+
+
+def same_tree(a: Tree, b: Tree) -> bool:
+    """Same nodes (ids, texts, children, parents, metadata ...) in the same order, same vectors."""
+    return list(a.nodes) == list(b.nodes) and np.array_equal(a.embeddings, b.embeddings)
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"bread": {"lang": "fr", "shelf": "bakery"}},  # one document
+        {name: {"lang": "de"} for name in TOPICS},  # every document
+        {"chess": {}, "cats": {"lang": "en", "new": 1}},  # metadata removed, a key added
+    ],
+)
+def test_metadata_only_update_gives_the_tree_a_rebuild_gives(
+    changed: dict[str, dict[str, object]],
+) -> None:
+    before = {name: {"lang": "en", "topic": name} for name in TOPICS}
+    after = {**before, **changed}
+    summarizer = EchoSummarizer()
+    b = builder(summarizer)
+    tree = b.build(tagged_docs(before))
+    summarizer.calls.clear()
+    embedder = b.embedder
+    assert isinstance(embedder, FakeEmbedder)
+    embedded = embedder.texts_embedded
+
+    result = b.update(tree, tagged_docs(after))
+
+    fresh = builder().build(tagged_docs(after))
+    assert same_tree(result.tree, fresh)
+    report = result.report
+    assert summarizer.calls == [] and embedder.texts_embedded == embedded
+    assert report.summary_calls == report.embedded_chunks == report.embedded_summaries == 0
+    assert report.docs_replaced == tuple(d for d in after if after[d] != before[d])
+    assert set(report.docs_unchanged) == {d for d in after if after[d] == before[d]}
+    assert report.nodes_added == report.nodes_removed == report.nodes_relinked == ()
+    # Every node whose metadata changed is reported changed (stores rewrite those), no other.
+    assert set(report.nodes_changed) == {
+        n.id for n in fresh.nodes if n.metadata != tree.node(n.id).metadata
+    }
+    assert report.nodes_changed
+    assert [(n.id, n.text, n.children, n.parents) for n in result.tree.nodes] == [
+        (n.id, n.text, n.children, n.parents) for n in tree.nodes
+    ]
+    assert np.array_equal(result.tree.embeddings, tree.embeddings)
+    check_tree_invariants(result.tree, extractive=True)
+
+
+def test_metadata_only_update_recomputes_shared_metadata_of_ancestors() -> None:
+    b = builder()
+    tree = b.build(tagged_docs({name: {"lang": "en"} for name in TOPICS}))
+    root = tree.layer(tree.num_layers - 1)
+    assert all(n.metadata.get("lang") == "en" for n in root)
+    result = b.update(tree, tagged_docs({name: {"lang": "fr"} for name in TOPICS}))
+    new = result.tree
+    assert all(n.metadata.get("lang") == "fr" for n in new.nodes)
+    # Only some documents relabelled: a summary over both kinds shares no "lang" any more.
+    english: dict[str, dict[str, object]] = {name: {"lang": "en"} for name in TOPICS}
+    mixed = b.update(tree, tagged_docs({**english, "cats": {"lang": "fr"}}))
+    assert mixed.report.docs_replaced == ("cats",)
+    for node in mixed.tree.nodes:
+        if node.layer:
+            docs = set(node.doc_ids)
+            expected = "fr" if docs == {"cats"} else ("en" if "cats" not in docs else None)
+            assert node.metadata.get("lang") == expected, node.id
+
+
+def test_mixed_update_relabels_one_document_and_replaces_another() -> None:
+    from raptor_core.build.builder import summary_metadata
+
+    before: dict[str, dict[str, object]] = {name: {"lang": "en"} for name in TOPICS}
+    b = builder()
+    tree = b.build(tagged_docs(before))
+    new_text = doc("bread", marker="sourdough").text
+    bread = Document(text=new_text, doc_id="bread", metadata={"lang": "en"})
+    rockets = next(d for d in tagged_docs({"rockets": {"lang": "fr"}}) if d.doc_id == "rockets")
+
+    text_only = b.update(tree, [bread])
+    both = b.update(tree, [rockets, bread])
+
+    # The metadata change costs nothing more and changes no id, text or vector.
+    assert both.report.summary_calls == text_only.report.summary_calls > 0
+    assert both.report.embedded_chunks == text_only.report.embedded_chunks
+    assert both.report.docs_replaced == ("rockets", "bread")
+    assert [(n.id, n.text, n.children) for n in both.tree.nodes] == [
+        (n.id, n.text, n.children) for n in text_only.tree.nodes
+    ]
+    assert np.array_equal(both.tree.embeddings, text_only.tree.embeddings)
+    for leaf in both.tree.leaves:
+        assert leaf.metadata == {"lang": "fr" if leaf.doc_id == "rockets" else "en"}
+    # A cluster over both documents was re-summarised (bread changed it): its metadata is
+    # that of its members now, rockets' new "lang" included (so no "lang" is shared).
+    remade = [n for n in both.tree.nodes if {"rockets", "bread"} <= set(n.doc_ids)]
+    assert remade and all(n.id not in tree for n in remade)
+    assert all("lang" not in n.metadata for n in remade)
+    # Every summary, re-made or kept, derives its metadata from its members' current ones.
+    for node in both.tree.nodes:
+        if node.layer:
+            members = [both.tree.node(c) for c in node.children]
+            assert node.metadata == summary_metadata(members), node.id
+    assert any(
+        n.metadata.get("lang") == "fr" for n in both.tree.nodes if n.layer and n.id in tree
+    )  # kept summaries of rockets alone are relabelled in place
+    rocket_leaves = [n.id for n in tree.leaves if n.doc_id == "rockets"]
+    assert set(rocket_leaves) <= set(both.report.nodes_changed)
+    check_tree_invariants(both.tree, extractive=True)
+
+
+def test_metadata_only_update_of_pre_split_chunks_is_in_place() -> None:
+    b = builder()
+    chunks = [
+        Document(text=doc(name, n=2).text, doc_id=f"{name}-0", chunk_of=name, metadata={"v": 1})
+        for name in TOPICS
+    ]
+    tree = b.build(chunks)
+    relabelled = [
+        Document(text=c.text, doc_id=c.doc_id, chunk_of=c.chunk_of, metadata={"v": 2})
+        for c in chunks
+    ]
+    result = b.update(tree, relabelled)
+    assert same_tree(result.tree, b.build(relabelled))
+    assert result.report.summary_calls == result.report.embedded_chunks == 0
+    assert set(result.report.docs_replaced) == set(TOPICS)
+
+
+def test_async_metadata_only_update_matches_sync() -> None:
+    b = builder()
+    tree = b.build(tagged_docs({}))
+    relabelled = tagged_docs({"rivers": {"lang": "nl"}})
+    sync = b.update(tree, relabelled)
+    asynced = asyncio.run(b.aupdate(tree, relabelled))
+    assert same_tree(sync.tree, asynced.tree)
+    assert asynced.report.nodes_changed == sync.report.nodes_changed
+    assert asynced.report.summary_calls == 0
+
+
 def test_same_operations_give_the_same_tree() -> None:
     def run() -> Tree:
         b = builder()

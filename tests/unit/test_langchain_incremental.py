@@ -101,6 +101,40 @@ def test_vector_store_gets_only_the_changes() -> None:
     check_tree_invariants(LangChainNodeStore(vectorstore).to_tree(), extractive=True)
 
 
+def test_a_metadata_only_update_rewrites_the_changed_metadata_in_the_store() -> None:
+    # RaptorRetriever has no public replace (add_documents refuses a known id), so the core
+    # update is committed through the path add_documents and delete use.
+    vectorstore = InMemoryVectorStore(RaptorEmbeddings(FakeEmbedder(DIM)))
+    retriever = make(vectorstore)
+    entries = dict(vectorstore.store)
+    tree = retriever._current_tree()
+    relabelled = [
+        Document(page_content=t, id=name, metadata={"topic": name.upper()})
+        for name, t in TEXTS.items()
+        if name == "rivers"
+    ]
+    core = retriever._core_documents(relabelled, rejoin=True, ids=["rivers"])
+
+    result = retriever._update_builder(tree).update(tree, core)
+    retriever._commit(tree, result)
+
+    report = result.report
+    assert report.summary_calls == report.embedded_chunks == report.embedded_summaries == 0
+    assert report.docs_replaced == ("rivers",) and report.nodes_changed
+    assert not (report.nodes_added or report.nodes_removed or report.nodes_relinked)
+    stored = LangChainNodeStore(vectorstore).to_tree()
+    check_tree_invariants(stored, extractive=True)
+    assert [(n.id, n.text, n.children) for n in stored.nodes] == [
+        (n.id, n.text, n.children) for n in tree.nodes
+    ]
+    leaves = [n for n in stored.leaves if n.doc_id == "rivers"]
+    assert leaves and all(n.metadata.get("topic") == "RIVERS" for n in leaves)
+    assert all(n.metadata.get("topic") != "RIVERS" for n in stored.leaves if n.doc_id != "rivers")
+    # Only the relabelled nodes were written again.
+    rewritten = {k for k in entries if vectorstore.store[k] is not entries[k]}
+    assert rewritten - {"raptor-manifest"} == set(report.nodes_changed)
+
+
 def test_a_reopened_store_can_be_updated() -> None:
     vectorstore = InMemoryVectorStore(RaptorEmbeddings(FakeEmbedder(DIM)))
     make(vectorstore)

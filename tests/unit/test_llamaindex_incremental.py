@@ -212,6 +212,38 @@ def test_update_ref_doc_replaces_a_changed_document_and_skips_an_unchanged_one(
     check_in_place(index, before, stored, spy)
 
 
+def test_a_metadata_only_update_rewrites_metadata_in_place_without_summarising(
+    index: RaptorIndex, summarizer: EchoSummarizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before, stored = index.tree, snapshot(index)
+    spy = StoreSpy(index, monkeypatch)
+    relabelled = Document(text=text("rivers"), id_="rivers", metadata={"topic": "water"})
+
+    index.update_ref_doc(relabelled)
+
+    after = index.tree
+    check_tree_invariants(after, extractive=True)
+    last = after.build_info["incremental"]["last"]
+    assert summarizer.calls == [] and last["summary_calls"] == 0
+    assert last["embedded_chunks"] == last["embedded_summaries"] == 0
+    assert last["docs_replaced"] == ["rivers"]
+    # Same nodes, same order, same vectors: only metadata differs.
+    assert [(n.id, n.text, n.children) for n in after.nodes] == [
+        (n.id, n.text, n.children) for n in before.nodes
+    ]
+    assert np.array_equal(after.embeddings, before.embeddings)
+    written = check_in_place(index, before, stored, spy)
+    rivers = {n.id for n in after.leaves if n.doc_id == "rivers"}
+    assert rivers <= written and not spy.deleted
+    docstore = index.storage_context.docstore
+    for node_id in rivers:
+        assert docstore.get_node(node_id).metadata["topic"] == "water"
+    # refresh_ref_docs reports a metadata change as a change.
+    again = Document(text=text("rivers"), id_="rivers", metadata={"topic": "streams"})
+    assert index.refresh_ref_docs([again, doc("cats")]) == [True, False]
+    assert summarizer.calls == []
+
+
 def test_refresh_ref_docs_returns_which_documents_changed(
     index: RaptorIndex, summarizer: EchoSummarizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
