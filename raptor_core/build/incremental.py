@@ -351,6 +351,7 @@ class _UpdateRun(_BuildRun):
         for leaf in self.layer_nodes:
             by_doc.setdefault(str(leaf.doc_id), []).append(leaf)
         keep: list[Node] = []
+        whole = {d.doc_id: d.text for d in self.docs if d.chunk_of is None}
         # Pre-split chunks (chunk_of set) are leaves of their source document: a source is
         # added, replaced or unchanged as a whole, whichever of its chunks are given.
         for source in dict.fromkeys(d.chunk_of or d.doc_id for d in self.docs):
@@ -358,14 +359,17 @@ class _UpdateRun(_BuildRun):
             if source in existing:
                 old = old_leaves.get(source, [])
                 # The text too: a pre-split chunk's id is its tool's, not derived from its text.
-                if [(n.id, n.text, n.span) for n in new] == [(n.id, n.text, n.span) for n in old]:
-                    if [dict(n.metadata) for n in new] == [dict(n.metadata) for n in old]:
-                        self.docs_unchanged.append(source)
-                        continue
-                    # Only the metadata changed.  Neither a leaf's vector (its text, and the
-                    # heading above it, which its span pins) nor a summary depends on it: the
-                    # leaves are updated in place, their ancestors' metadata recomputed, and
-                    # nothing is embedded or summarised (a rebuild would make the same tree).
+                same_leaves = [(n.id, n.text, n.span) for n in new] == [
+                    (n.id, n.text, n.span) for n in old
+                ]
+                if same_leaves and [n.metadata for n in new] == [n.metadata for n in old]:
+                    self.docs_unchanged.append(source)
+                    continue
+                if same_leaves and self._embedded_alike(new, whole.get(source)):
+                    # Only the metadata changed, and neither a leaf's vector nor a summary
+                    # depends on it: the leaves are updated in place, their ancestors'
+                    # metadata recomputed, and nothing is embedded or summarised (a rebuild
+                    # with the new metadata would make this very tree).
                     self.docs_replaced.append(source)
                     for before, after in zip(old, new, strict=True):
                         if before.metadata != after.metadata:
@@ -378,6 +382,23 @@ class _UpdateRun(_BuildRun):
             keep.extend(new)
         self.layer_nodes = keep
         return self.leaf_texts_to_embed()
+
+    def _embedded_alike(self, leaves: Sequence[Node], text: str | None) -> bool:
+        """Whether ``leaves`` (the tree's, same ids, texts, spans) would get the same vectors.
+
+        A leaf is embedded from its text and, with section_context, from the section heading
+        and table header above it, read from the document's text.  Those lie inside the
+        leaves' spans, which are unchanged, unless the chunker left non-blank text out of
+        every chunk: then the context may differ, and the document is replaced as before.
+        """
+        if text is None or not any(leaf.id in self.leaf_context for leaf in leaves):
+            return True  # a pre-split chunk or a leaf without context: its text alone
+        end = 0
+        for start, stop in sorted(leaf.span for leaf in leaves if leaf.span is not None):
+            if text[end:start].strip():
+                return False
+            end = max(end, stop)
+        return not text[end:].strip()
 
     @property
     def nothing_to_do(self) -> bool:

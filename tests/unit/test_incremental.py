@@ -16,7 +16,7 @@ from raptor_core.testing import (
     WhitespaceTokenizer,
     check_tree_invariants,
 )
-from raptor_core.types import Document
+from raptor_core.types import Chunk, Document
 
 TOPICS = {
     "cats": "cat kitten purr whisker feline meow paw tail",
@@ -296,6 +296,46 @@ def test_metadata_only_update_of_pre_split_chunks_is_in_place() -> None:
     assert same_tree(result.tree, b.build(relabelled))
     assert result.report.summary_calls == result.report.embedded_chunks == 0
     assert set(result.report.docs_replaced) == set(TOPICS)
+
+
+class HeadingDroppingChunker:
+    """One chunk per paragraph, leaving Markdown heading lines out of every chunk."""
+
+    def split(self, text: str) -> list[Chunk]:
+        chunks: list[Chunk] = []
+        start = 0
+        for part in text.split("\n\n"):
+            if part and not part.startswith("#"):
+                chunks.append(
+                    Chunk(
+                        text=part, start=start, end=start + len(part), token_count=len(part.split())
+                    )
+                )
+            start += len(part) + 2
+        return chunks
+
+
+def test_a_leaf_whose_heading_is_outside_every_chunk_is_embedded_again() -> None:
+    # The heading changed (same length, so the same spans and leaf ids) with the metadata; a
+    # leaf's vector mixes in its heading, so relabelling in place would keep a stale vector.
+    def docs(heading: str, lang: str) -> list[Document]:
+        body = "\n\n".join(f"{heading}\n\n" + doc(n, n=2).text for n in ("cats", "rivers"))
+        return [
+            Document(text=body, doc_id="pets", metadata={"lang": lang}),
+            *(doc(n) for n in ("rockets", "bread", "music")),
+        ]
+
+    b = builder(chunker=HeadingDroppingChunker())
+    tree = b.build(docs("# Cats", "en"))
+    result = b.update(tree, docs("# Dogs", "fr"))
+    fresh = b.build(docs("# Dogs", "fr"))
+    pets = [n.id for n in fresh.leaves if n.doc_id == "pets"]
+    assert pets and all(n in tree for n in pets)  # same leaf ids as before
+    assert result.report.embedded_chunks == len(pets)
+    assert np.array_equal(
+        result.tree.embeddings[result.tree.rows(pets)], fresh.embeddings[fresh.rows(pets)]
+    )
+    assert not np.array_equal(tree.embeddings[tree.rows(pets)], fresh.embeddings[fresh.rows(pets)])
 
 
 def test_async_metadata_only_update_matches_sync() -> None:
