@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,27 @@ class _UpdateLock:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _UpdateLock:
         return _UpdateLock()
+
+
+#: One update lock per vector store object, shared by every retriever over it in this
+#: process (two ``from_vectorstore`` calls on one store, a retriever per request in a web
+#: app): each update reads the stored tree and writes back its own change, so two of them
+#: at once through different retrievers would lose one.  Weak keys: the lock goes with the
+#: store.
+_STORE_LOCKS: weakref.WeakKeyDictionary[Any, _UpdateLock] = weakref.WeakKeyDictionary()
+_STORE_LOCKS_GUARD = threading.Lock()
+
+
+def _store_lock(vectorstore: object) -> _UpdateLock | None:
+    """The update lock of ``vectorstore`` (None: it cannot be weakly referenced or hashed)."""
+    with _STORE_LOCKS_GUARD:
+        try:
+            lock = _STORE_LOCKS.get(vectorstore)
+            if lock is None:
+                lock = _STORE_LOCKS[vectorstore] = _UpdateLock()
+        except TypeError:
+            return None
+        return lock
 
 
 def _check_threshold(value: object) -> float:
@@ -425,7 +447,8 @@ class RaptorRetriever(BaseRetriever):
     _tree_builder: TreeBuilder | None = PrivateAttr(default=None)
     # Held by an update (add_documents, delete and their async forms) from reading the tree
     # to writing it back: two updates reading the same tree would each write back their own
-    # change only, and one would be lost (see _updating for the async side).
+    # change only, and one would be lost (see _updating for the async side).  Over a vector
+    # store, the store's lock (_store_lock) is used instead, shared with other retrievers.
     _update_lock: _UpdateLock = PrivateAttr(default_factory=_UpdateLock)
 
     def __init__(self, **data: Any) -> None:
@@ -645,7 +668,7 @@ class RaptorRetriever(BaseRetriever):
                 unknown keyword.
             InvalidInputError: an empty, binary or duplicate document (nothing is paid).
         """
-        with self._update_lock:
+        with self._lock():
             tree, docs = self._prepare_add(documents, kwargs)
             result = self._update_builder(tree).insert(tree, docs)
             self._commit(tree, result)
@@ -668,7 +691,7 @@ class RaptorRetriever(BaseRetriever):
             InvalidParameterError: no ids, an unknown id, or an unknown keyword.
             InvalidInputError: the ids are every document of the tree.
         """
-        with self._update_lock:
+        with self._lock():
             tree, gone = self._prepare_delete(ids, kwargs)
             self._commit(tree, self._update_builder(tree).delete(tree, gone))
         return True
@@ -680,6 +703,11 @@ class RaptorRetriever(BaseRetriever):
             result = await self._update_builder(tree).adelete(tree, gone)
             await run_in_executor(None, self._commit, tree, result)
         return True
+
+    def _lock(self) -> _UpdateLock:
+        """The lock updates hold: the vector store's, shared by its retrievers, else our own."""
+        shared = _store_lock(self.vectorstore) if self.vectorstore is not None else None
+        return shared if shared is not None else self._update_lock
 
     @contextlib.asynccontextmanager
     async def _updating(self) -> AsyncIterator[None]:
@@ -694,7 +722,7 @@ class RaptorRetriever(BaseRetriever):
         callers.  An update takes far longer than the sleep, so the polling costs nothing
         measurable.
         """
-        lock = self._update_lock
+        lock = self._lock()
         while not lock.acquire(blocking=False):
             await asyncio.sleep(_UPDATE_POLL_S)
         try:

@@ -31,7 +31,7 @@ from raptor_core.testing import (
 )
 from raptor_core.tree import Tree
 from raptor_langchain import InMemoryDialect, LangChainNodeStore, RaptorEmbeddings, RaptorRetriever
-from raptor_langchain.retriever import _UpdateLock
+from raptor_langchain.retriever import _STORE_LOCKS, _UpdateLock
 
 DIM = 32
 TEXTS = {
@@ -99,10 +99,17 @@ def gated(vectorstore: InMemoryVectorStore | None) -> tuple[RaptorRetriever, Gat
         chunk_max_tokens=8,
         random_state=0,
     )
-    # Set directly: before the fix the retriever has no such lock and ignores it.
-    retriever.__pydantic_private__["_update_lock"] = ContendedLock(embedder.release.set)  # type: ignore[index]
+    contend(retriever, ContendedLock(embedder.release.set))
     embedder.armed = True
     return retriever, embedder
+
+
+def contend(retriever: RaptorRetriever, lock: ContendedLock) -> None:
+    """Make ``lock`` the one the retriever's updates hold: its store's, else its own."""
+    if retriever.vectorstore is not None:
+        _STORE_LOCKS[retriever.vectorstore] = lock
+    else:
+        retriever.__pydantic_private__["_update_lock"] = lock  # type: ignore[index]
 
 
 def final_tree(retriever: RaptorRetriever, vectorstore: InMemoryVectorStore | None) -> Tree:
@@ -176,6 +183,29 @@ def test_an_async_delete_waits_for_a_sync_add() -> None:
     adding.join(SAFETY_S)
     tree = final_tree(retriever, None)
     assert set(tree.doc_ids) == {"rockets", "first"}
+    check_tree_invariants(tree, extractive=True)
+
+
+def test_two_retrievers_over_one_store_update_one_at_a_time() -> None:
+    # A web app that opens a retriever per request over one shared vector store: the two
+    # updates read the same stored tree unless they share the store's lock, and the one
+    # that writes last drops the other's document.
+    vectorstore = in_memory_store()
+    first_retriever, embedder = gated(vectorstore)
+    second_retriever = RaptorRetriever.from_vectorstore(vectorstore, embedder, strategy="collapsed")
+    assert second_retriever._lock() is first_retriever._lock()
+    other = RaptorRetriever(vectorstore=in_memory_store(), embeddings=embedder)
+    assert other._lock() is not first_retriever._lock()
+    adding = threading.Thread(
+        target=first_retriever.add_documents, args=([Document(page_content=FIRST, id="first")],)
+    )
+    adding.start()
+    assert embedder.holding.wait(SAFETY_S)  # the first update has read the stored tree
+    second_retriever.add_documents([Document(page_content=SECOND, id="second")])
+    adding.join(SAFETY_S)
+    assert not embedder.timed_out
+    tree = final_tree(first_retriever, vectorstore)
+    assert {"cats", "rockets", "first", "second"} == set(tree.doc_ids)
     check_tree_invariants(tree, extractive=True)
 
 
