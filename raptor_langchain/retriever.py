@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import logging
 import math
 import os
 import threading
 import weakref
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from raptor_core._async import UpdateLock
 from raptor_core.build.builder import TreeBuilder
 from raptor_core.build.rejoin import MAX_GAP, join_pages, rejoin_splits, split_start
 from raptor_core.components import check_embedder, embedder_for_tree
@@ -82,8 +81,6 @@ _NEEDS_LLM = frozenset({"llm", "hybrid"})
 #: The metadata key LangChain's text splitters write with ``add_start_index=True``: where
 #: the split starts in the document it was cut from.
 START_INDEX_KEY = "start_index"
-#: Seconds between an async update's tries of the update lock while another update holds it.
-_UPDATE_POLL_S = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,53 +94,22 @@ class _Plan:
     score_threshold: float | None
 
 
-class _UpdateLock:
-    """The lock serialising a retriever's updates; a pickled or copied retriever gets its own.
-
-    A ``threading.Lock`` cannot be pickled or deep-copied, and a retriever is (LangChain's
-    serialisers, ``copy.deepcopy``): the copy, with its own tree, gets a new unlocked lock.
-    """
-
-    __slots__ = ("_lock",)
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        return self._lock.acquire(blocking, timeout)
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()
-
-    def __reduce__(self) -> tuple[type[_UpdateLock], tuple[()]]:
-        return (_UpdateLock, ())
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _UpdateLock:
-        return _UpdateLock()
-
-
 #: One update lock per vector store object, shared by every retriever over it in this
 #: process (two ``from_vectorstore`` calls on one store, a retriever per request in a web
 #: app): each update reads the stored tree and writes back its own change, so two of them
 #: at once through different retrievers would lose one.  Weak keys: the lock goes with the
 #: store.
-_STORE_LOCKS: weakref.WeakKeyDictionary[Any, _UpdateLock] = weakref.WeakKeyDictionary()
+_STORE_LOCKS: weakref.WeakKeyDictionary[Any, UpdateLock] = weakref.WeakKeyDictionary()
 _STORE_LOCKS_GUARD = threading.Lock()
 
 
-def _store_lock(vectorstore: object) -> _UpdateLock | None:
+def _store_lock(vectorstore: object) -> UpdateLock | None:
     """The update lock of ``vectorstore`` (None: it cannot be weakly referenced or hashed)."""
     with _STORE_LOCKS_GUARD:
         try:
             lock = _STORE_LOCKS.get(vectorstore)
             if lock is None:
-                lock = _STORE_LOCKS[vectorstore] = _UpdateLock()
+                lock = _STORE_LOCKS[vectorstore] = UpdateLock()
         except TypeError:
             return None
         return lock
@@ -447,9 +413,9 @@ class RaptorRetriever(BaseRetriever):
     _tree_builder: TreeBuilder | None = PrivateAttr(default=None)
     # Held by an update (add_documents, delete and their async forms) from reading the tree
     # to writing it back: two updates reading the same tree would each write back their own
-    # change only, and one would be lost (see _updating for the async side).  Over a vector
+    # change only, and one would be lost (UpdateLock.held for the async side).  Over a vector
     # store, the store's lock (_store_lock) is used instead, shared with other retrievers.
-    _update_lock: _UpdateLock = PrivateAttr(default_factory=_UpdateLock)
+    _update_lock: UpdateLock = PrivateAttr(default_factory=UpdateLock)
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -676,7 +642,7 @@ class RaptorRetriever(BaseRetriever):
 
     async def aadd_documents(self, documents: Sequence[Document], **kwargs: Any) -> list[str]:
         """Async :meth:`add_documents`: summaries and embeddings use the models' async APIs."""
-        async with self._updating():
+        async with self._lock().held():
             tree, docs = await run_in_executor(None, self._prepare_add, documents, kwargs)
             result = await self._update_builder(tree).ainsert(tree, docs)
             await run_in_executor(None, self._commit, tree, result)
@@ -698,37 +664,16 @@ class RaptorRetriever(BaseRetriever):
 
     async def adelete(self, ids: Sequence[str] | None = None, **kwargs: Any) -> bool:
         """Async :meth:`delete`."""
-        async with self._updating():
+        async with self._lock().held():
             tree, gone = await run_in_executor(None, self._prepare_delete, ids, kwargs)
             result = await self._update_builder(tree).adelete(tree, gone)
             await run_in_executor(None, self._commit, tree, result)
         return True
 
-    def _lock(self) -> _UpdateLock:
+    def _lock(self) -> UpdateLock:
         """The lock updates hold: the vector store's, shared by its retrievers, else our own."""
         shared = _store_lock(self.vectorstore) if self.vectorstore is not None else None
         return shared if shared is not None else self._update_lock
-
-    @contextlib.asynccontextmanager
-    async def _updating(self) -> AsyncIterator[None]:
-        """Hold the update lock for an async update, without blocking the event loop.
-
-        The same ``threading.Lock`` as the sync updates, so async and sync updates, from any
-        thread or event loop, exclude one another.  It is tried without blocking and retried
-        after a short sleep: waiting for it in an executor thread instead would leave the
-        lock taken by a thread nobody releases it from when the waiting task is cancelled,
-        and waiters filling the executor would starve the holder's own executor steps (a
-        deadlock); an ``asyncio.Lock`` belongs to one event loop and does not exclude sync
-        callers.  An update takes far longer than the sleep, so the polling costs nothing
-        measurable.
-        """
-        lock = self._lock()
-        while not lock.acquire(blocking=False):
-            await asyncio.sleep(_UPDATE_POLL_S)
-        try:
-            yield
-        finally:
-            lock.release()
 
     def _current_tree(self) -> Tree:
         if self.tree is not None:

@@ -38,6 +38,7 @@ from llama_index.core.schema import Document as LlamaIndexDocumentBase
 from llama_index.core.storage.docstore.types import RefDocInfo
 from llama_index.core.storage.storage_context import StorageContext
 
+from raptor_core._async import UpdateLock
 from raptor_core.build.builder import ProgressCallback, TreeBuilder, describe
 from raptor_core.build.incremental import (
     UpdateReport,
@@ -478,6 +479,10 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         self._documents: list[Document] | None = None
         #: Bumped by every update, so retrievers made earlier know to start again.
         self._version = 0
+        # Held by an update from reading the tree to writing the new one back: two at once
+        # (asyncio.gather of ainsert calls, inserts from two threads) would each write back
+        # their own change only, and all but the last would be lost.
+        self._update_lock = UpdateLock()
         super().__init__(
             index_struct=index_struct,
             storage_context=storage_context,
@@ -749,6 +754,12 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         deleted from the vector store.  Returns the core's reports (a removal and a write
         are two), or None when the tree was built whole.
         """
+        with self._update_lock:
+            return self._update_held(added, removed, show_progress)
+
+    def _update_held(
+        self, added: Sequence[Any], removed: Sequence[str], show_progress: bool
+    ) -> list[UpdateReport] | None:
         docs, write, delete = self._plan(added, removed)
         tree_docs, write, delete = self._tree_plan(docs, write, delete)
         tree = self.tree
@@ -780,6 +791,12 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         self, *, added: Sequence[Any] = (), removed: Sequence[str] = (), show_progress: bool = False
     ) -> list[UpdateReport] | None:
         """Async :meth:`_update` (the core's async twins; store writes off the event loop)."""
+        async with self._update_lock.held():
+            return await self._aupdate_held(added, removed, show_progress)
+
+    async def _aupdate_held(
+        self, added: Sequence[Any], removed: Sequence[str], show_progress: bool
+    ) -> list[UpdateReport] | None:
         docs, write, delete = await asyncio.to_thread(self._plan, added, removed)
         tree_docs, write, delete = await asyncio.to_thread(self._tree_plan, docs, write, delete)
         tree = await asyncio.to_thread(lambda: self.tree)

@@ -9,17 +9,16 @@ import asyncio
 import copy
 import pickle
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
-from numpy.typing import NDArray
 
 pytest.importorskip("langchain_core")
 
 from langchain_core.documents import Document
 from langchain_core.vectorstores import InMemoryVectorStore
+from update_races import FIRST, SAFETY_S, SECOND, ContendedLock, GatedEmbedder
 
 from raptor_core.testing import (
     EchoSummarizer,
@@ -31,59 +30,13 @@ from raptor_core.testing import (
 )
 from raptor_core.tree import Tree
 from raptor_langchain import InMemoryDialect, LangChainNodeStore, RaptorEmbeddings, RaptorRetriever
-from raptor_langchain.retriever import _STORE_LOCKS, _UpdateLock
+from raptor_langchain.retriever import _STORE_LOCKS
 
 DIM = 32
 TEXTS = {
     "cats": "Cats purr in the sun. Kittens chase string. A cat sleeps all day. Felines hunt mice.",
     "rockets": "Rockets burn fuel. Boosters lift satellites. Orbit needs speed. Engines roar.",
 }
-FIRST = "Bread needs flour. Yeast makes dough rise. Ovens bake the loaf. Crust turns brown."
-SECOND = "Violins have strings. Bows draw the notes. Cellos sing low. Orchestras tune up."
-#: Generous: only reached when an update never arrives (the test then fails, not hangs).
-SAFETY_S = 30.0
-
-
-class GatedEmbedder(FakeEmbedder):
-    """Holds the first update's embedding until the second update has got under way.
-
-    Once ``armed``, the first call that embeds a chunk of ``FIRST`` sets ``holding`` and
-    waits for ``release``; embedding a chunk of ``SECOND`` sets ``release``.  Without a lock
-    both updates then read the same tree; with one the second waits for the lock and
-    :class:`ContendedLock` sets ``release`` instead.
-    """
-
-    def __init__(self, dim: int) -> None:
-        super().__init__(dim)
-        self.armed = False
-        self.holding = threading.Event()
-        self.release = threading.Event()
-        self.timed_out = False
-
-    def embed_documents(self, texts: Sequence[str]) -> NDArray[np.float32]:
-        if self.armed and any(t in SECOND for t in texts):
-            self.release.set()
-        if self.armed and any(t in FIRST for t in texts):
-            self.armed = False  # once: summaries of the first document embed freely
-            self.holding.set()
-            self.timed_out = not self.release.wait(SAFETY_S)
-        return super().embed_documents(texts)
-
-
-class ContendedLock(_UpdateLock):
-    """The retriever's update lock, calling ``on_wait`` when an update finds it taken."""
-
-    __slots__ = ("_on_wait",)
-
-    def __init__(self, on_wait: Callable[[], None]) -> None:
-        super().__init__()
-        self._on_wait = on_wait
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        if super().acquire(blocking=False):
-            return True
-        self._on_wait()
-        return super().acquire(blocking, timeout) if blocking else False
 
 
 def gated(vectorstore: InMemoryVectorStore | None) -> tuple[RaptorRetriever, GatedEmbedder]:
