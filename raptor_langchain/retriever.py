@@ -72,7 +72,7 @@ logger = logging.getLogger(__name__)
 #: Per-call keywords LangChain itself may forward to ``_get_relevant_documents``.
 _RUNTIME_KWARGS = frozenset({"verbose"})
 #: ``search_type`` values of ``VectorStore.as_retriever``, as RAPTOR runs them: similarity
-#: is the retriever's ``strategy`` (collapsed tree by default), mmr the core MMR strategy,
+#: is the retriever's ``strategy`` (passages by default), mmr the core MMR strategy,
 #: and similarity_score_threshold the strategy with hits below ``score_threshold`` dropped.
 SEARCH_TYPES = ("similarity", "mmr", "similarity_score_threshold")
 #: ``search_kwargs`` keys of ``VectorStore.as_retriever`` that are not strategy parameters.
