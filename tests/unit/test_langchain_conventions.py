@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
-from numpy.typing import NDArray
 
 pytest.importorskip("langchain_core")
 
@@ -20,6 +18,7 @@ from langchain_core.tracers.run_collector import RunCollectorCallbackHandler
 from langchain_core.tracers.schemas import Run
 from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_tests.integration_tests import RetrieversIntegrationTests
+from langchain_trees import TieFreeEmbedder, fast_build_options, lc_documents
 
 from raptor_core.exceptions import InvalidParameterError
 from raptor_core.retrieval.registry import make_retriever
@@ -34,19 +33,6 @@ from raptor_langchain import (
 )
 
 TREE = store_tree(32)
-
-
-class TieFreeEmbedder(FakeEmbedder):
-    """The tree's fake model, with queries nudged off the bag-of-words ties at score 0.
-
-    Which of several exactly tied nodes a store ranks first is its own business.
-    """
-
-    def embed_query(self, text: str) -> NDArray[np.float32]:
-        q = super().embed_query(text)
-        nudge = np.random.default_rng(1234).standard_normal(q.shape[0]).astype(np.float32)
-        q = q + 0.05 * nudge / np.linalg.norm(nudge)
-        return (q / np.linalg.norm(q)).astype(np.float32)
 
 
 EMBEDDER = TieFreeEmbedder(dim=TREE.dim)
@@ -226,35 +212,6 @@ async def test_every_strategy_answers_alike_from_a_vector_store(strategy: str) -
         assert {i for i, _ in got} == {i for i, _ in expected}, (strategy, query)
         assert dict(got) == pytest.approx(dict(expected), abs=1e-5)
         assert len(await stored.ainvoke(query)) == len(got)
-
-
-def fast_build_options() -> dict[str, Any]:
-    from raptor_core.testing import EchoSummarizer, GroupClusterer, WhitespaceTokenizer
-
-    return {
-        "tokenizer": WhitespaceTokenizer(),
-        "clusterer": GroupClusterer(2),
-        "summarizer": EchoSummarizer(),
-        "chunk_max_tokens": 8,
-        "min_layer_size": 2,
-        "max_layers": 2,
-    }
-
-
-def lc_documents() -> list[Any]:
-    from langchain_core.documents import Document
-
-    return [
-        Document(id="bees", metadata={"topic": "nature"},
-                 page_content="Bees dance to show where flowers are. Bees make honey from "
-                 "nectar. The queen lays eggs all summer."),
-        Document(id="rockets", metadata={"topic": "space"},
-                 page_content="Rockets burn fuel and oxidiser. Rockets reach orbit at eight "
-                 "kilometres per second. Boosters land on barges."),
-        Document(id="lava", metadata={"topic": "nature"},
-                 page_content="Volcanoes erupt lava and ash. Ash clouds ground aircraft for "
-                 "days. Lava cools into basalt."),
-    ]  # fmt: skip
 
 
 async def test_from_documents_into_a_vector_store_and_reopen(tmp_path: Any) -> None:

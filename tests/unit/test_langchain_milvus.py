@@ -17,6 +17,7 @@ pytest.importorskip("milvus_lite")
 
 from langchain_core.documents import Document
 from langchain_milvus import Milvus
+from langchain_trees import TieFreeEmbedder, fast_build_options, lc_documents
 
 from raptor_core.exceptions import InvalidParameterError
 from raptor_core.testing import FakeEmbedder, NodeStoreTests
@@ -99,42 +100,18 @@ def test_retriever_built_into_milvus_answers_and_updates_as_in_memory(milvus_fil
     # 0.3.3 cannot construct a store on an existing collection with pymilvus >= 2.6.10.)
     from langchain_core.vectorstores import InMemoryVectorStore
 
-    from raptor_core.testing import EchoSummarizer, GroupClusterer, WhitespaceTokenizer
     from raptor_langchain import RaptorRetriever
 
-    class TieFree(FakeEmbedder):
-        # Queries nudged off the bag-of-words model's exact ties at score 0: which of
-        # several tied nodes a store ranks first is its own business.
-        def embed_query(self, text: str) -> np.ndarray:
-            q = super().embed_query(text)
-            nudge = np.random.default_rng(1234).standard_normal(q.shape[0]).astype(np.float32)
-            q = q + 0.05 * nudge / np.linalg.norm(nudge)
-            return (q / np.linalg.norm(q)).astype(np.float32)
-
-    embedder = TieFree(dim=32)
-    options = {
-        "tokenizer": WhitespaceTokenizer(),
-        "clusterer": GroupClusterer(2),
-        "summarizer": EchoSummarizer(),
-        "chunk_max_tokens": 8,
-        "min_layer_size": 2,
-        "max_layers": 2,
-    }
-    documents = [
-        Document(id="bees", metadata={"topic": "nature"},
-                 page_content="Bees dance to show where flowers are. Bees make honey from "
-                 "nectar. The queen lays eggs all summer."),
-        Document(id="rockets", metadata={"topic": "space"},
-                 page_content="Rockets burn fuel and oxidiser. Rockets reach orbit at eight "
-                 "kilometres per second. Boosters land on barges."),
-        Document(id="lava", metadata={"topic": "nature"},
-                 page_content="Volcanoes erupt lava and ash. Ash clouds ground aircraft for "
-                 "days. Lava cools into basalt."),
-    ]  # fmt: skip
+    embedder = TieFreeEmbedder(dim=32)
     milvus = milvus_store(milvus_file, embedder.dim, embedder)
-    built = RaptorRetriever.from_documents(documents, vectorstore=milvus, k=3, **options)
+    built = RaptorRetriever.from_documents(
+        lc_documents(), vectorstore=milvus, k=3, **fast_build_options()
+    )
     memory = RaptorRetriever.from_documents(
-        documents, vectorstore=InMemoryVectorStore(RaptorEmbeddings(embedder)), k=3, **options
+        lc_documents(),
+        vectorstore=InMemoryVectorStore(RaptorEmbeddings(embedder)),
+        k=3,
+        **fast_build_options(),
     )
 
     def ids(retriever: RaptorRetriever, query: str) -> list[str]:
