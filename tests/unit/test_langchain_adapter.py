@@ -107,6 +107,7 @@ def test_exported_names_are_pinned() -> None:
         "LangChainEmbedder",
         "LangChainLLM",
         "LangChainNodeStore",
+        "MilvusDialect",
         "QdrantDialect",
         "RaptorEmbeddings",
         "RaptorRetriever",
