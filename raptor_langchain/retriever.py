@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "SEARCH_METADATA_KEYS",
     "SEARCH_TYPES",
     "START_INDEX_KEY",
     "RaptorRetriever",
@@ -130,12 +131,23 @@ def _check_threshold(value: object) -> float:
     return float(value)
 
 
-def hit_to_document(hit: Hit) -> Document:
+#: The metadata keys that describe one search rather than the node it found: the same node
+#: found by two queries differs only in these (see ``RaptorRetriever.search_metadata``).
+SEARCH_METADATA_KEYS = frozenset(
+    {"score", "raptor_strategy", "raptor_path", "raptor_reason", "raptor_evidence"}
+)
+
+
+def hit_to_document(hit: Hit, *, search_metadata: bool = True) -> Document:
     """Turn a core :class:`~raptor_core.retrieval.Hit` into a LangChain ``Document``.
 
-    The document's ``id`` is the node id.  Its metadata is the source document's metadata
-    (leaves only) plus ``score`` and ``raptor_*`` keys; the prefix keeps them from
-    overwriting user keys such as ``source``:
+    The document's ``id`` is the node id (for a passage that joins several leaves, the
+    passage's id).  Its metadata is the source document's metadata (leaves only) plus
+    ``score`` and ``raptor_*`` keys; the prefix keeps them from overwriting user keys such
+    as ``source``.  ``search_metadata=False`` leaves out the keys that describe the search
+    (``SEARCH_METADATA_KEYS``: ``score``, ``raptor_strategy``, ``raptor_path``,
+    ``raptor_reason``, ``raptor_evidence``), so that the same node found by two queries
+    gives equal documents, which wrappers that deduplicate by equality need:
 
     ``score``            similarity to the query (the strategy's score)
     ``raptor_layer``     0 for a leaf chunk, 1+ for summaries
@@ -167,6 +179,9 @@ def hit_to_document(hit: Hit) -> Document:
         metadata["raptor_evidence"] = [[chunk, score] for chunk, score in hit.evidence]
     if hit.leaves:
         metadata["raptor_leaves"] = list(hit.leaves)
+    if not search_metadata:
+        for key in SEARCH_METADATA_KEYS:
+            metadata.pop(key, None)
     return Document(page_content=node.text, metadata=metadata, id=node.id)
 
 
@@ -215,6 +230,35 @@ def rejoin_documents(documents: Sequence[CoreDocument]) -> list[tuple[CoreDocume
         else:
             out.append((run.document, [i for at in run.parts for i in sources[at][1]]))
     return out
+
+
+def _no_tree_message(vectorstore: VectorStore, store: LangChainNodeStore) -> str:
+    """Why ``from_vectorstore`` refuses a store without a complete tree, and what to do."""
+    name = type(vectorstore).__name__
+    build = (
+        "build a tree into an empty store (a new collection) with "
+        "RaptorRetriever.from_documents(..., vectorstore=...)"
+    )
+    count = len(store)
+    if store.manifest is None and count:
+        # Only a store RAPTOR wrote to holds raptor_ keys: without any, this is someone
+        # else's collection, not a build cut short.  (This reads the store; it is the error
+        # path, and it stops at the first document RAPTOR wrote.)
+        ours = any(
+            any(str(key).startswith("raptor_") for key in doc.metadata or {})
+            for doc in store.dialect.scan()
+        )
+        if not ours:
+            return (
+                f"the {name} holds {count} document(s), none of which RAPTOR wrote (no "
+                f"raptor_ metadata, no {MANIFEST_ID!r} document): from_vectorstore reopens a "
+                f"tree that RaptorRetriever built into a store; {build}"
+            )
+    state = "an incomplete" if store.manifest is not None or count else "no"
+    return (
+        f"the {name} holds {state} RAPTOR tree (no complete {MANIFEST_ID!r} document; an "
+        f"interrupted build leaves none): {build}"
+    )
 
 
 def _core_embedder(embeddings: Embeddings | Embedder) -> Embedder:
@@ -407,6 +451,11 @@ class RaptorRetriever(BaseRetriever):
     """``VectorStore.as_retriever`` search keywords plus the strategy's own parameters."""
     dialect: StoreDialect | None = None
     """How to talk to ``vectorstore`` (default: chosen by its class)."""
+    search_metadata: bool = True
+    """Put the keys that describe the search into each document's metadata (``score``,
+    ``raptor_strategy``, ``raptor_path``, ``raptor_reason``, ``raptor_evidence``).  False:
+    only the node's own keys, so the same node found by two queries gives equal documents,
+    as wrappers that deduplicate by ``Document`` equality (``MultiQueryRetriever``) need."""
 
     _embedder_cache: tuple[Any, Embedder] | None = PrivateAttr(default=None)
     _store_cache: tuple[Any, Any, Any, LangChainNodeStore] | None = PrivateAttr(default=None)
@@ -584,11 +633,10 @@ class RaptorRetriever(BaseRetriever):
             return None
         return traced_llm(self.llm, callbacks)
 
-    @staticmethod
-    def _documents(plan: _Plan, hits: list[Hit]) -> list[Document]:
+    def _documents(self, plan: _Plan, hits: list[Hit]) -> list[Document]:
         if plan.score_threshold is not None:
             hits = [hit for hit in hits if hit.score >= plan.score_threshold]
-        return [hit_to_document(hit) for hit in hits]
+        return [hit_to_document(hit, search_metadata=self.search_metadata) for hit in hits]
 
     # -- BaseRetriever -------------------------------------------------------------------------
     def _get_relevant_documents(
@@ -719,6 +767,17 @@ class RaptorRetriever(BaseRetriever):
                 doc_id = f"doc-{counter}"
                 used.add(doc_id)
             out.append(dataclasses.replace(source, doc_id=str(doc_id)))
+        # Checked here, not left to the core: its message points to update(), which
+        # TreeBuilder and the CLI have and this retriever does not.
+        existing = set(tree.doc_ids)
+        clash = list(dict.fromkeys(d.doc_id for d in out if d.doc_id in existing))
+        if clash:
+            msg = (
+                f"document id(s) {clash[:5]} are already in the tree: to replace a document, "
+                f"delete it first (retriever.delete({clash[:5]!r})), then add_documents the "
+                "new version; or give the new one another id"
+            )
+            raise InvalidParameterError(msg)
         return tree, out
 
     def _prepare_delete(
@@ -858,6 +917,7 @@ class RaptorRetriever(BaseRetriever):
         search_kwargs: dict[str, Any] | None = None,
         dialect: StoreDialect | None = None,
         rejoin_splits: bool = True,
+        search_metadata: bool = True,
         **build_options: Any,
     ) -> RaptorRetriever:
         """Build a tree over LangChain documents and return a retriever over it.
@@ -889,6 +949,9 @@ class RaptorRetriever(BaseRetriever):
                 pages of one PDF (``metadata["page"]``, as PDF loaders number them) are
                 joined the same way, each leaf keeping its page.  False: every document is
                 indexed as it is given.
+            search_metadata: put ``score`` and the other keys that describe the search
+                into the documents' metadata (see the field); False for wrappers that
+                deduplicate by ``Document`` equality.
             **build_options: passed to :class:`raptor_core.TreeBuilder` (``chunk_max_tokens``,
                 ``max_layers``, ``random_state``, ``summarizer``, ...).
 
@@ -905,6 +968,7 @@ class RaptorRetriever(BaseRetriever):
             search_type=search_type,
             max_tokens=max_tokens,
             search_kwargs=search_kwargs,
+            search_metadata=search_metadata,
         )
         cls._check_fields(llm, fields)
         embeddings = cls._model(embeddings, vectorstore)
@@ -928,6 +992,7 @@ class RaptorRetriever(BaseRetriever):
         search_kwargs: dict[str, Any] | None = None,
         dialect: StoreDialect | None = None,
         rejoin_splits: bool = True,
+        search_metadata: bool = True,
         **build_options: Any,
     ) -> RaptorRetriever:
         """Async :meth:`from_documents`: summaries and embeddings use the models' async APIs."""
@@ -937,6 +1002,7 @@ class RaptorRetriever(BaseRetriever):
             search_type=search_type,
             max_tokens=max_tokens,
             search_kwargs=search_kwargs,
+            search_metadata=search_metadata,
         )
         cls._check_fields(llm, fields)
         embeddings = cls._model(embeddings, vectorstore)
@@ -1032,13 +1098,7 @@ class RaptorRetriever(BaseRetriever):
         store = retriever.store
         assert isinstance(store, LangChainNodeStore)
         if not store.complete:
-            state = "an incomplete" if store.manifest is not None or len(store) else "no"
-            msg = (
-                f"the {type(vectorstore).__name__} holds {state} RAPTOR tree (no complete "
-                f"{MANIFEST_ID!r} document; an interrupted build leaves none): build one into "
-                "an empty store with RaptorRetriever.from_documents(..., vectorstore=...)"
-            )
-            raise InvalidParameterError(msg)
+            raise InvalidParameterError(_no_tree_message(vectorstore, store))
         retriever._embedder()  # fail now, not at the first query, if no model is known
         return retriever
 

@@ -249,7 +249,11 @@ def _check_json(metadata: object, what: str) -> None:
         # Encoded as the tree file will be: a lone surrogate cannot be written as UTF-8.
         json.dumps(metadata, allow_nan=False, ensure_ascii=False).encode()
     except (TypeError, ValueError) as exc:
-        msg = f"{what} must be JSON-serialisable: {exc}"
+        msg = (
+            f"{what} must be JSON-serialisable ({exc}): values may be str, int, finite float, "
+            "bool, None, and lists and dicts of these; convert others before indexing, e.g. "
+            "a datetime or date to an ISO string with value.isoformat()"
+        )
         raise InvalidInputError(msg) from exc
 
 
