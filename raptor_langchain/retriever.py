@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -232,6 +233,10 @@ def rejoin_documents(documents: Sequence[CoreDocument]) -> list[tuple[CoreDocume
     return out
 
 
+#: Documents read to tell a store RAPTOR never wrote from a build cut short.
+_FOREIGN_PROBE = 1000
+
+
 def _no_tree_message(vectorstore: VectorStore, store: LangChainNodeStore) -> str:
     """Why ``from_vectorstore`` refuses a store without a complete tree, and what to do."""
     name = type(vectorstore).__name__
@@ -242,11 +247,11 @@ def _no_tree_message(vectorstore: VectorStore, store: LangChainNodeStore) -> str
     count = len(store)
     if store.manifest is None and count:
         # Only a store RAPTOR wrote to holds raptor_ keys: without any, this is someone
-        # else's collection, not a build cut short.  (This reads the store; it is the error
-        # path, and it stops at the first document RAPTOR wrote.)
+        # else's collection, not a build cut short.  (This reads the store, on the error
+        # path only: up to the first document RAPTOR wrote, and at most _FOREIGN_PROBE.)
         ours = any(
             any(str(key).startswith("raptor_") for key in doc.metadata or {})
-            for doc in store.dialect.scan()
+            for doc in itertools.islice(store.dialect.scan(), _FOREIGN_PROBE)
         )
         if not ours:
             return (
