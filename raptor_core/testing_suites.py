@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from raptor_core.tree import Tree
+from raptor_core.tree import Node, Tree
 from raptor_core.types import NodeFilter, NodeStore, VectorIndex
 
 __all__ = ["NodeStoreTests", "VectorIndexTests", "store_tree"]
@@ -277,9 +277,13 @@ class NodeStoreTests:
     def filled(self) -> tuple[Any, Tree]:
         """A store holding :func:`store_tree`, and the tree."""
         tree = store_tree(self.dim)
+        return self.holding(tree), tree
+
+    def holding(self, tree: Tree) -> Any:
+        """A new store holding ``tree`` (override for a store that cannot be written)."""
         store = self.make_store()
         store.add(list(tree.nodes), tree.embeddings)
-        return store, tree
+        return store
 
     def query(self, seed: int = 7) -> NDArray[np.float32]:
         """A unit query vector."""
@@ -465,6 +469,48 @@ class NodeStoreTests:
             expected = self.expected(tree, q, 50, where)
             assert expected, condition
             self.assert_same(store.search(q, 50, where=where), expected)
+
+    def test_list_operator_filters(self) -> None:
+        """``$contains``/``$any``/``$all`` on list metadata, summaries included, as in Python."""
+        from dataclasses import replace
+
+        from raptor_core.build.builder import summary_metadata
+        from raptor_core.tree import is_carried
+
+        base = store_tree(self.dim)
+        tags = {"bees": ["insects", "nature"], "rockets": ["space"], "volcanoes": ["nature"]}
+        nodes: dict[str, Node] = {}
+        for node in base.nodes:  # children come before their parents
+            if node.is_leaf:
+                meta = {**node.metadata, "tags": tags[str(node.doc_id)]}
+            else:
+                meta = summary_metadata([nodes[c] for c in node.children])
+            nodes[node.id] = replace(node, metadata=meta)
+        tree = Tree(nodes=tuple(nodes.values()), embeddings=base.embeddings, params=base.params)
+        store = self.holding(tree)
+        q = self.query(5)
+        cases: list[dict[str, Any]] = [
+            {"tags": {"$contains": "nature"}},
+            {"tags": {"$any": ["space", "insects"]}},
+            {"tags": {"$all": ["nature", "insects"]}},
+            {"$or": [{"tags": {"$contains": "space"}}, {"lang": "de"}]},
+            {"tags": {"$contains": "nature"}, "year": {"$gte": 2020}},
+        ]
+        for condition in cases:
+            where = NodeFilter(where=condition)
+            expected = self.expected(tree, q, 50, where)
+            assert expected, condition
+            self.assert_same(store.search(q, 50, where=where), expected)
+        # A summary over documents whose lists differ has no tags: it fails even a filter
+        # that every leaf below it passes.
+        mixed = {n.id for n in tree.nodes if len(n.doc_ids) > 1}
+        assert mixed and all("tags" not in tree.node(i).metadata for i in mixed)
+        either = NodeFilter(where={"tags": {"$any": ["space", "nature", "insects"]}})
+        found = {m.node.id for m in store.search(q, 100, where=either)}
+        assert found == {n.id for n in tree.nodes if not is_carried(n)} - mixed
+        # Operands no store may push down as they are (a number: Chroma's ordering path).
+        for condition in ({"tags": {"$contains": 3}}, {"tags": {"$any": [3]}}):
+            assert store.search(q, 50, where=NodeFilter(where=condition)) == []
 
     def test_summaries_pass_filters_only_for_what_they_all_share(self) -> None:
         """A summary over several documents never passes a per-document filter."""

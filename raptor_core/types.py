@@ -225,8 +225,8 @@ class NodeFilter:
             layer up); strategies leave them out because the original is already there.
         where: a metadata filter in the core's dialect (see :mod:`raptor_core.store.filters`):
             ``{"key": value}``, ``{"key": {"$in": [...]}}``, ``$ne``, ``$gt``, ``$gte``,
-            ``$lt``, ``$lte``, ``$nin``, ``$and``, ``$or``.  Keys are node metadata, plus
-            ``doc_id``.
+            ``$lt``, ``$lte``, ``$nin``, ``$contains``, ``$any``, ``$all`` (list values),
+            ``$and``, ``$or``.  Keys are node metadata, plus ``doc_id``.
         native: a filter in the store's own dialect (a LlamaIndex ``MetadataFilters``, a
             Chroma ``where`` dict, a callable for the in-memory store), ANDed with the rest.
     """

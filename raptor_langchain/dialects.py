@@ -556,9 +556,13 @@ def _chroma_condition(field: str, op: str, value: Any) -> dict[str, Any] | None:
         kinds = {_kind(v) for v in value}
         ok = bool(value) and len(kinds) == 1 and None not in kinds
         value = list(value)
-    else:
+    elif op in ("$gt", "$gte", "$lt", "$lte"):
         # Chroma orders numbers only; the core also orders strings.
         ok = _kind(value) in ("int", "float")
+    else:
+        # $contains/$any/$all: this dialect writes no lists into Chroma (they live in
+        # raptor_metadata only), so they are checked in Python.
+        ok = False
     return {field: {op: value}} if ok else None
 
 
@@ -568,9 +572,9 @@ def chroma_where(where: Mapping[str, Any]) -> tuple[dict[str, Any] | None, bool]
     Returns:
         ``(where, exact)``: a Chroma filter passing at least every node the core filter
         passes (None: no constraint), and whether it passes exactly those.  Parts with no
-        Chroma twin (ordering strings, comparing with None, ``raptor_``-prefixed user keys,
-        which are stored in ``raptor_metadata`` only) are left out, and the caller checks
-        them in Python.
+        Chroma twin (ordering strings, comparing with None, the list operators ``$contains``
+        ``$any`` ``$all``, ``raptor_``-prefixed user keys, which are stored in
+        ``raptor_metadata`` only) are left out, and the caller checks them in Python.
 
     Examples:
         >>> chroma_where({"doc_id": "a", "year": {"$gte": 2000}})

@@ -180,8 +180,15 @@ _CORE_OPS = {
     FilterOperator.LTE: "$lte",
     FilterOperator.IN: "$in",
     FilterOperator.NIN: "$nin",
+    FilterOperator.CONTAINS: "$contains",
+    FilterOperator.ANY: "$any",
+    FilterOperator.ALL: "$all",
 }
-_LI_OPS = {v: k for k, v in _CORE_OPS.items()}
+#: Operators pushed down into a vector store.  The list operators stay in Python: stores
+#: differ on a value that is not a list (SimpleVectorStore's ``contains`` matches a
+#: substring of a string and raises on a number), and lists the store cannot keep (Chroma)
+#: live in ``raptor_metadata`` only.
+_LI_OPS = {v: k for k, v in _CORE_OPS.items() if v not in ("$contains", "$any", "$all")}
 #: LlamaIndex's names for a node's document id, all meaning the core's ``doc_id``.
 _DOC_KEYS = frozenset({"doc_id", "document_id", "ref_doc_id"})
 
@@ -190,9 +197,12 @@ def core_where(filters: MetadataFilters) -> dict[str, Any]:
     """Translate LlamaIndex ``MetadataFilters`` into the core filter dialect.
 
     ``doc_id``, ``document_id`` and ``ref_doc_id`` all mean the node's document.  Nested
-    ``MetadataFilters`` and the ``and``/``or`` conditions translate; ``not`` and the
-    operators without a core twin (``text_match``, ``contains``, ``any``, ``all``,
-    ``is_empty``) raise.
+    ``MetadataFilters`` and the ``and``/``or`` conditions translate, and so do ``contains``,
+    ``any`` and ``all`` (to ``$contains``, ``$any``, ``$all``: whole elements of a list
+    value, a value that is not a list counting as a list of one).  ``not`` and the
+    operators without a core twin raise: ``text_match`` (substring, token or pattern match
+    depending on the store) and ``is_empty`` (a summary lacks a key its leaves disagree on,
+    which is not emptiness, so it would pass where its leaves do not).
 
     Raises:
         InvalidParameterError: an operator or condition the core dialect lacks.
@@ -213,8 +223,8 @@ def core_where(filters: MetadataFilters) -> dict[str, Any]:
         op = _CORE_OPS.get(FilterOperator(item.operator))
         if op is None:
             msg = (
-                f"filter operator {item.operator!r} on {item.key!r} has no RAPTOR equivalent: "
-                f"use one of {', '.join(o.value for o in _CORE_OPS)}"
+                f"filter operator {FilterOperator(item.operator).value!r} on {item.key!r} has "
+                f"no RAPTOR equivalent: use one of {', '.join(o.value for o in _CORE_OPS)}"
             )
             raise InvalidParameterError(msg)
         key = "doc_id" if item.key in _DOC_KEYS else item.key
@@ -234,6 +244,8 @@ def core_where(filters: MetadataFilters) -> dict[str, Any]:
 
 def _li_condition(field: str, op: str, value: Any) -> MetadataFilter | None:
     """One LlamaIndex filter for a core condition, or None when stores would disagree."""
+    if op not in _LI_OPS:
+        return None  # checked in Python (see _LI_OPS)
     if op in ("$in", "$nin"):
         kinds = {type(v) for v in value}
         ok = (

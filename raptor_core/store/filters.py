@@ -5,13 +5,22 @@ A filter is a JSON-like mapping, the dialect Chroma, MongoDB and many vector sto
     {"author": "Grimm"}                                  # equality
     {"year": {"$gte": 1800, "$lt": 1900}}                # comparisons ($eq $ne $gt $gte $lt $lte)
     {"doc_id": {"$in": ["a", "b"]}}                      # membership ($in $nin)
+    {"tags": {"$contains": "bees"}}                      # a list value holds "bees"
+    {"tags": {"$any": ["bees", "ants"]}}                 # ... holds at least one of them
+    {"tags": {"$all": ["bees", "ants"]}}                 # ... holds every one of them
     {"$or": [{"lang": "en"}, {"lang": "de"}]}            # $and / $or of sub-filters
 
 Several keys in one mapping must all hold.  Keys are the node's metadata, plus ``doc_id``
 (the node's document; summaries over several documents have none).  A missing key never
-equals anything, and fails every comparison, but passes ``$ne`` and ``$nin``.  Comparisons
-need values of one kind (numbers with numbers, strings with strings); anything else is a
-typed error when the filter is checked, not a silent mismatch at search time.
+equals anything, and fails every comparison and list operator, but passes ``$ne`` and
+``$nin``.  Comparisons need values of one kind (numbers with numbers, strings with strings);
+anything else is a typed error when the filter is checked, not a silent mismatch at search
+time.
+
+The list operators (LlamaIndex's ``contains``, ``any`` and ``all``) match whole elements,
+never substrings, with MongoDB's rule for a value that is not a list: it counts as a list of
+that one value, so ``{"tags": {"$any": [...]}}`` passes a scalar ``tags`` exactly when
+``$in`` would, and ``$contains`` then means ``$eq``.
 
 Why summaries: the builder gives a summary the metadata that *every* leaf below it shares,
 so a summary passes a filter only when all that it condenses would.
@@ -28,8 +37,12 @@ from raptor_core.tree import Node
 
 __all__ = ["OPERATORS", "canonical", "check_where", "compile_where"]
 
-#: Comparison and membership operators of the dialect.
-OPERATORS = frozenset({"$eq", "$ne", "$gt", "$gte", "$lt", "$lte", "$in", "$nin"})
+#: Comparison, membership and list operators of the dialect.
+OPERATORS = frozenset(
+    {"$eq", "$ne", "$gt", "$gte", "$lt", "$lte", "$in", "$nin", "$contains", "$any", "$all"}
+)
+#: Operators taking a list of scalars.
+_LIST_OPERANDS = frozenset({"$in", "$nin", "$any", "$all"})
 _LOGICAL = frozenset({"$and", "$or"})
 _MAX_DEPTH = 16
 _MISSING = object()
@@ -80,13 +93,21 @@ def _check_condition(key: str, condition: Mapping[Any, Any]) -> None:
         if op not in OPERATORS:
             msg = f"unknown operator {op!r} for {key!r}: use one of {', '.join(sorted(OPERATORS))}"
             raise InvalidParameterError(msg)
-        if op in ("$in", "$nin"):
+        if op in _LIST_OPERANDS:
             if not isinstance(value, list | tuple | set | frozenset) or not all(
                 _scalar(v) for v in value
             ):
                 msg = f"{op} for {key!r} takes a list of strings, numbers or bools, got {value!r}"
                 raise InvalidParameterError(msg)
-        elif op in ("$eq", "$ne"):
+            if op == "$all" and not value:
+                # MongoDB's empty $all passes nothing, LlamaIndex's every node with the key:
+                # refuse rather than pick one silently.
+                msg = (
+                    f"$all for {key!r} takes a non-empty list: drop the condition to pass "
+                    f"every node"
+                )
+                raise InvalidParameterError(msg)
+        elif op in ("$eq", "$ne", "$contains"):
             if not _scalar(value):
                 msg = f"{op} for {key!r} takes a string, number, bool or None, got {value!r}"
                 raise InvalidParameterError(msg)
@@ -96,8 +117,27 @@ def _check_condition(key: str, condition: Mapping[Any, Any]) -> None:
 
 
 def canonical(where: Mapping[str, Any]) -> str:
-    """A stable text form of a filter (a cache key for the masks stores compute)."""
-    return json.dumps(where, sort_keys=True, default=sorted, separators=(",", ":"))
+    """A stable text form of a filter (a cache key for the masks stores compute).
+
+    Raises:
+        InvalidParameterError: ``where`` is not a filter of the dialect (checked first, so
+            that a value JSON cannot write is reported as such, not as a ``TypeError``).
+
+    Examples:
+        >>> canonical({"tags": {"$any": {"b", "a"}}, "n": 1})
+        '{"n":1,"tags":{"$any":["a","b"]}}'
+    """
+    check_where(where)
+    return json.dumps(where, sort_keys=True, default=_sorted_set, separators=(",", ":"))
+
+
+def _sorted_set(value: set[Any] | frozenset[Any]) -> list[Any]:
+    """A set operand ($in, $any, ...) as a list in a stable order, even of mixed kinds."""
+    try:
+        return sorted(value)
+    except TypeError:
+        # "a" < 1 and None < "a" raise: order by kind, then by text, which always works.
+        return sorted(value, key=lambda v: (type(v).__name__, repr(v)))
 
 
 def _value(node: Node, key: str) -> Any:
@@ -115,6 +155,14 @@ def _compare(op: str, have: Any, want: Any) -> bool:
         return have is not _MISSING and any(_same(have, w) for w in want)
     if op == "$nin":
         return have is _MISSING or not any(_same(have, w) for w in want)
+    if op in ("$contains", "$any", "$all"):
+        if have is _MISSING:
+            return False
+        held = have if isinstance(have, list | tuple) else (have,)
+        if op == "$contains":
+            return any(_same(h, want) for h in held)
+        found = [any(_same(h, w) for h in held) for w in want]
+        return any(found) if op == "$any" else all(found)
     # Ordering: only between numbers or between strings; a metadata value of another kind
     # (or a missing key) simply does not satisfy it.
     numeric = isinstance(want, int | float) and not isinstance(want, bool)
@@ -151,6 +199,11 @@ def compile_where(where: Mapping[str, Any]) -> Predicate:
         >>> leaf = Node(id="a", text="t", layer=0, token_count=1, doc_id="d", metadata={"y": 3})
         >>> compile_where({"y": {"$gt": 2}, "doc_id": "d"})(leaf)
         True
+        >>> tagged = Node(id="b", text="t", layer=0, token_count=1, metadata={"tags": ["x", "y"]})
+        >>> compile_where({"tags": {"$any": ["x", "z"]}})(tagged)
+        True
+        >>> compile_where({"tags": {"$all": ["x", "z"]}})(tagged)
+        False
     """
     check_where(where)
     return _compile(where)

@@ -55,6 +55,9 @@ class TestFileNodeStore(NodeStoreTests):
         tree = store_tree(self.dim)
         return FileNodeStore.open(tree.save(self._dir / "tree")), tree
 
+    def holding(self, tree: Tree) -> FileNodeStore:
+        return FileNodeStore.open(tree.save(self._dir / "held"))
+
     def test_upsert_replaces(self) -> None:
         store, tree = self.filled()
         with pytest.raises(InvalidParameterError, match="read-only"):

@@ -221,6 +221,11 @@ def test_damaged_documents_raise_tree_format_error(damage: dict[str, Any]) -> No
         ({"x": {"$in": []}}, None, False),
         ({"raptor_layer": 1}, None, False),  # a user key of ours: kept in raptor_metadata
         ({"$or": [{"a": 1}, {"t": {"$gt": "x"}}]}, None, False),
+        # List metadata lives in raptor_metadata only: the list operators run in Python.
+        ({"tags": {"$contains": 3}}, None, False),
+        ({"tags": {"$contains": "x"}, "a": 1}, {"a": {"$eq": 1}}, False),
+        ({"tags": {"$any": [1, 2]}}, None, False),
+        ({"tags": {"$all": [1.5]}}, None, False),
         (
             {"$and": [{"a": 1}, {"t": {"$gt": "x"}}], "b": False},
             {"$and": [{"a": {"$eq": 1}}, {"b": {"$eq": False}}]},

@@ -662,6 +662,49 @@ def test_filters_are_honoured_like_the_core_where() -> None:
     assert all(n.node.ref_doc_id == "rockets" for n in engine.query("cats").source_nodes)
 
 
+def test_list_filters_contains_any_all_match_vector_store_index() -> None:
+    from llama_index.core import VectorStoreIndex
+
+    from raptor_llamaindex import RaptorEmbedding
+
+    tags = {"cats": ["pets", "furry"], "rockets": ["space"], "bread": ["food", "baking"]}
+    docs = [
+        Document(text=text, id_=doc_id, metadata={"topic": topic, "tags": tags[doc_id]})
+        for doc_id, (topic, text) in DOCS.items()
+    ]
+    # Clusters of three leaves: the first summary covers cats and rockets.
+    raptor = RaptorIndex.from_documents(docs, **options(clusterer=GroupClusterer(3)))
+    mixed = {n.id for n in raptor.tree.nodes if len(n.doc_ids) > 1}
+    assert mixed
+    plain = VectorStoreIndex.from_documents(docs, embed_model=RaptorEmbedding(FakeEmbedder(32)))
+    cases = [
+        (FilterOperator.CONTAINS, "pets", {"tags": {"$contains": "pets"}}),
+        (FilterOperator.ANY, ["space", "food"], {"tags": {"$any": ["space", "food"]}}),
+        (FilterOperator.ALL, ["baking", "food"], {"tags": {"$all": ["baking", "food"]}}),
+        (FilterOperator.ALL, ["pets", "space"], {"tags": {"$all": ["pets", "space"]}}),
+    ]
+    query = "cats purr and rockets burn bread"
+    for op, value, where in cases:
+        filters = MetadataFilters(filters=[MetadataFilter(key="tags", value=value, operator=op)])
+        assert core_where(filters) == where
+        got = raptor.as_retriever(similarity_top_k=50, filters=filters).retrieve(query)
+        want = make_retriever("collapsed", raptor.tree, raptor.embedder, k=50, where=where)
+        assert_same_ranking(
+            [(n.node.node_id, float(n.score or 0)) for n in got],
+            [(h.id, h.score) for h in want.retrieve(query)],
+        )
+        # The documents found are VectorStoreIndex's (its chunks differ, its filter is the
+        # same); a summary over documents whose tags differ has none, so it never passes.
+        vsi = plain.as_retriever(similarity_top_k=50, filters=filters).retrieve(query)
+        assert {n.node.ref_doc_id for n in got} == {n.node.ref_doc_id for n in vsi}
+        assert all(n.node.metadata["tags"] == tags[str(n.node.ref_doc_id)] for n in got)
+        assert not {n.node.node_id for n in got} & mixed
+    for operator in (FilterOperator.TEXT_MATCH, FilterOperator.IS_EMPTY):
+        refused = MetadataFilters(filters=[MetadataFilter(key="t", operator=operator, value="x")])
+        with pytest.raises(InvalidParameterError, match=f"'{operator.value}'.*contains, any"):
+            core_where(refused)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "match"),
     [

@@ -8,7 +8,7 @@ import pytest
 from raptor_core import InvalidParameterError
 from raptor_core.backends.faiss_index import FaissIndex
 from raptor_core.retrieval.base import as_store
-from raptor_core.store.filters import check_where, compile_where
+from raptor_core.store.filters import canonical, check_where, compile_where
 from raptor_core.store.memory import InMemoryNodeStore
 from raptor_core.testing import NodeStoreTests, random_tree, store_tree
 from raptor_core.tree import Node
@@ -76,6 +76,13 @@ def test_native_filter_is_a_callable() -> None:
         {"a": {}},
         {1: "x"},
         {"a": [1, 2]},
+        {"tags": {"$contains": ["x"]}},  # one element, not a list
+        {"tags": {"$any": "x"}},
+        {"tags": {"$all": "xy"}},
+        {"tags": {"$any": [["x"]]}},
+        {"tags": {"$all": []}},  # MongoDB passes nothing, LlamaIndex everything
+        {"tags": {"$text_match": "x"}},
+        {"tags": {"$is_empty": True}},
     ],
 )
 def test_malformed_filters_are_rejected(bad: object) -> None:
@@ -116,6 +123,116 @@ def test_filter_semantics() -> None:
         assert compile_where(where)(node), where
     for where in no:
         assert not compile_where(where)(node), where
+
+
+def test_list_operators() -> None:
+    """$contains/$any/$all match whole elements; a scalar counts as a list of one."""
+    node = Node(
+        id="n",
+        text="t",
+        layer=0,
+        token_count=1,
+        doc_id="d",
+        metadata={"tags": ["bees", "ants", 3], "s": "bees", "flags": [True], "t": ("a", "b")},
+    )
+    yes = [
+        {"tags": {"$contains": "bees"}},
+        {"tags": {"$contains": 3}},
+        {"tags": {"$any": ["wasps", "ants"]}},
+        {"tags": {"$any": {"ants"}}},
+        {"tags": {"$all": ["ants", "bees"]}},
+        {"tags": {"$all": ("bees",), "$contains": 3}},
+        {"t": {"$all": ["a", "b"]}},  # a tuple is a list too
+        {"flags": {"$contains": True}},
+        # A scalar is a list of one: $any is then $in, $contains is $eq.
+        {"s": {"$contains": "bees"}},
+        {"s": {"$any": ["bees", "ants"]}},
+        {"s": {"$all": ["bees"]}},
+        {"$or": [{"tags": {"$contains": "x"}}, {"tags": {"$all": ["bees", 3]}}]},
+    ]
+    no = [
+        {"tags": {"$contains": "bee"}},  # elements, never substrings
+        {"s": {"$contains": "bee"}},
+        {"tags": {"$contains": "3"}},
+        {"flags": {"$contains": 1}},  # a bool is not a number
+        {"tags": {"$any": ["wasps"]}},
+        {"tags": {"$any": []}},  # like $in []: nothing
+        {"tags": {"$all": ["bees", "wasps"]}},
+        {"s": {"$all": ["bees", "ants"]}},
+        {"missing": {"$contains": "bees"}},  # a missing key fails, as comparisons do
+        {"missing": {"$any": ["bees"]}},
+        {"missing": {"$all": ["bees"]}},
+    ]
+    for where in yes:
+        assert compile_where(where)(node), where
+    for where in no:
+        assert not compile_where(where)(node), where
+
+
+def test_list_operators_pass_a_summary_only_when_its_leaves_share_the_list() -> None:
+    from raptor_core.build.builder import TreeBuilder
+    from raptor_core.build.chunking import SentenceChunker
+    from raptor_core.testing import (
+        EchoSummarizer,
+        FakeEmbedder,
+        GroupClusterer,
+        WhitespaceTokenizer,
+    )
+    from raptor_core.types import Document
+
+    tokenizer = WhitespaceTokenizer()
+    builder = TreeBuilder(
+        FakeEmbedder(dim=16),
+        EchoSummarizer(),
+        tokenizer=tokenizer,
+        chunker=SentenceChunker(tokenizer, max_tokens=8),
+        clusterer=GroupClusterer(2),
+        summary_max_tokens=8,
+        min_layer_size=2,
+        random_state=0,
+    )
+    tags = {"a": ["x", "y"], "b": ["x", "y"], "c": ["x", "z"], "d": ["x", "w"]}
+    texts = {
+        "a": "Bees dance to tell the hive.",
+        "b": "Ants dig tunnels under the ground.",
+        "c": "Moles dig in the dark soil.",
+        "d": "Owls hoot at night in woods.",
+    }
+    tree = builder.build(
+        [Document(doc_id=d, metadata={"tags": tags[d]}, text=texts[d]) for d in tags]
+    )
+    same = next(n for n in tree.nodes if n.layer and n.doc_ids == ("a", "b"))
+    mixed = next(n for n in tree.nodes if n.layer and n.doc_ids == ("c", "d"))
+    # Every leaf below `mixed` holds "x", but their lists differ, so it has no tags at all.
+    for where in ({"tags": {"$contains": "x"}}, {"tags": {"$any": ["x"]}}):
+        assert all(compile_where(where)(leaf) for leaf in tree.leaves)
+        assert compile_where(where)(same)
+        assert not compile_where(where)(mixed)
+    assert compile_where({"tags": {"$all": ["y", "x"]}})(same)
+    assert not compile_where({"tags": {"$contains": "z"}})(same)
+    # Through a store and a strategy: the nodes found are those the predicate passes.
+    store = InMemoryNodeStore.from_tree(tree)
+    q = tree.embeddings[0]
+    found = store.search(q, 50, where=NodeFilter(where={"tags": {"$contains": "y"}}))
+    assert {m.node.id for m in found} == {
+        n.id for n in tree.nodes if n.doc_ids in (("a",), ("b",), ("a", "b"))
+    }
+
+
+def test_canonical_keys_of_list_operators() -> None:
+    assert canonical({"tags": {"$any": ["b", "a"]}}) == '{"tags":{"$any":["b","a"]}}'
+    assert canonical({"tags": {"$all": {"b", "a"}}}) == '{"tags":{"$all":["a","b"]}}'
+    assert canonical({"t": {"$contains": "x"}}) != canonical({"t": {"$eq": "x"}})
+    # Sets of mixed kinds used to raise TypeError ("<" between str and int).
+    assert canonical({"n": {"$in": {1, "a", None}}}) == canonical({"n": {"$in": {None, "a", 1}}})
+    with pytest.raises(InvalidParameterError, match="non-empty list"):
+        canonical({"tags": {"$all": []}})
+    with pytest.raises(InvalidParameterError, match=r"\$contains"):
+        canonical({"tags": {"$contains": object()}})
+    store = InMemoryNodeStore.from_tree(store_tree())
+    q = store.vectors([next(iter(store)).id])[0]
+    mixed = NodeFilter(where={"lang": {"$in": {"de", None, 1}}})
+    assert {m.node.metadata["lang"] for m in store.search(q, 50, where=mixed)} == {"de"}
 
 
 def test_retrievers_filter_by_metadata_on_a_tree() -> None:
