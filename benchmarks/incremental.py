@@ -47,7 +47,14 @@ BUDGETS = (400, 2000)
 
 
 class CountingSummarizer:
-    """Counts the calls and input texts of the summariser it wraps."""
+    """Counts the clusters summarised by the summariser it wraps.
+
+    The builder gives a summariser with ``summarize_batch`` a whole layer in one call, and one
+    with ``sentence_vector_tap`` its sentence vectors from the embedding passes: both are
+    passed through, so the build is the one the extractive summariser gets unwrapped (without
+    them it would summarise cluster by cluster from several threads, embedding every sentence
+    again).  A batch counts one call per cluster, as the one-by-one path would.
+    """
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -56,6 +63,13 @@ class CountingSummarizer:
     def summarize(self, texts: Sequence[str], *, max_tokens: int) -> str:
         self.calls += 1
         return str(self.inner.summarize(texts, max_tokens=max_tokens))
+
+    def summarize_batch(self, clusters: Sequence[Sequence[str]], *, max_tokens: int) -> list[str]:
+        self.calls += len(clusters)
+        return [str(s) for s in self.inner.summarize_batch(clusters, max_tokens=max_tokens)]
+
+    def sentence_vector_tap(self, embedder: Any) -> Any:
+        return self.inner.sentence_vector_tap(embedder)
 
 
 def recall(tree: Any, embedder: Any, questions: Sequence[Any]) -> dict[int, float]:

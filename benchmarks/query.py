@@ -151,8 +151,10 @@ def run_all(args: argparse.Namespace) -> None:
         queries = [f"q{i}" for i in range(len(vectors))]
         embedder = LookupEmbedder(dict(zip(queries, vectors, strict=True)))
         start = time.perf_counter()
+        # The one-off per-tree cost, outside the timings: the in-memory node store that every
+        # retriever over this tree shares (as_store caches it per tree), with its layer array.
         cached = as_store(tree)
-        _ = cached.children, cached.membership  # the one-off per-tree cost, outside timings
+        _ = cached.top_layer
         setup[len(tree)] = {"generate_s": built, "structure_s": time.perf_counter() - start}
         print(
             f"# {tree!r}: generated in {built:.1f} s, node store built in "
