@@ -14,6 +14,11 @@ deterministic stand-in for an LLM that waits S seconds per cluster, which Ray ru
 Usage:
     python benchmarks/ray_build.py [--tokens 20000] [--address auto] [--llm-latency 0.5]
                                    [--max-concurrency 4] [--seed 0] [--json OUT]
+                                   [--embedder real|fake]
+
+``--embedder fake`` swaps all-MiniLM-L6-v2 for raptor_core.testing.FakeEmbedder (hashed bag of
+words, no model): Ray's overhead on every stage but a real embedding (a quick check that the
+script runs).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -56,6 +62,7 @@ def main() -> int:
     parser.add_argument("--max-concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--embedder", choices=["real", "fake"], default="real")
     args = parser.parse_args()
 
     import numpy as np
@@ -64,12 +71,15 @@ def main() -> int:
     from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
     from raptor_core.build.builder import TreeBuilder
     from raptor_core.build.ray_executor import RayExecutor
+    from raptor_core.testing import FakeEmbedder
     from raptor_core.tokenizers import count_tokens, default_tokenizer
 
     tokenizer = default_tokenizer()
     docs, source = load_corpus(args.tokens, lambda t: count_tokens(tokenizer, t))
     n_tokens = sum(count_tokens(tokenizer, d["text"]) for d in docs)
-    embedder = SentenceTransformerEmbedder()
+    embedder: Any = (
+        FakeEmbedder(dim=384) if args.embedder == "fake" else SentenceTransformerEmbedder()
+    )
     embedder.embed_query("load the model before timing")
     # Compile UMAP's numba kernels before timing too: the first build would pay for it alone.
     from raptor_core.build.clustering import GMMClusterer
@@ -126,7 +136,8 @@ def main() -> int:
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"Python {sys.version.split()[0]}; Ray {ray.__version__} with {cpus:g} CPUs "
-        f"({args.address or 'local, started here'}); summaries: {summaries}"
+        f"({args.address or 'local, started here'}); summaries: {summaries}; "
+        f"embedder: {args.embedder}"
     )
     print(f"one-off: Ray connect/start {connect:.2f}s (not in the totals)")
     print(f"{'stage':<10} {'local s':>9} {'ray s':>9} {'ray/local':>10}")
@@ -145,6 +156,7 @@ def main() -> int:
                     "chunks": local.build_info["chunks"],
                     "ray_cpus": cpus,
                     "summaries": summaries,
+                    "embedder": args.embedder,
                     "local": {**lt, "total": local_total},
                     "ray": {**rt, "total": ray_total, "connect": connect},
                     "same_tree": same and close,

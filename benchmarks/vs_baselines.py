@@ -23,8 +23,9 @@ retriever.
 
 Usage:
     python benchmarks/vs_baselines.py [--docs 4] [--queries 30] [--seed 0] [--json OUT]
+                                      [--data DIR]
 
-Input: QASPER papers and questions from ../shared/data when present, otherwise the
+Input: QASPER papers and questions from ../shared/data (or ``--data``) when present, otherwise the
 project's test texts with questions made from their first sentences.
 """
 
@@ -45,8 +46,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def load(n_docs: int, n_queries: int) -> tuple[list[dict[str, str]], list[str], str]:
-    docs_path, questions_path = DATA / "qasper_docs.jsonl", DATA / "qasper.jsonl"
+def load(
+    n_docs: int, n_queries: int, data: Path = DATA
+) -> tuple[list[dict[str, str]], list[str], str]:
+    docs_path, questions_path = data / "qasper_docs.jsonl", data / "qasper.jsonl"
     if docs_path.is_file() and questions_path.is_file():
         from raptor_core.evaluation import load_documents, load_questions, select
 
@@ -107,6 +110,9 @@ def main() -> int:
     parser.add_argument("--queries", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
+    parser.add_argument(
+        "--data", type=Path, default=DATA, help="QASPER in ../shared/data's format (default: it)"
+    )
     args = parser.parse_args()
 
     from raptor_core.backends.sentence_transformers import SentenceTransformerEmbedder
@@ -114,7 +120,7 @@ def main() -> int:
     from raptor_core.evaluation.runner import environment
     from raptor_core.retrieval import CollapsedTreeRetriever
 
-    docs, queries, source = load(args.docs, args.queries)
+    docs, queries, source = load(args.docs, args.queries, args.data)
     if not docs or not queries:
         print("vs_baselines: no documents or queries found")
         return 0
