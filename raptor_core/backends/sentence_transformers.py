@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -309,17 +310,56 @@ def _token_offsets(
     The texts are tokenised as sentence-transformers tokenises them (prompt prepended, cut at
     the model's maximum sequence length), so the offsets line up with its token vectors.
     """
+    backend = _offsets_tokenizer(model)
+    if backend is None:
+        return None
+    encoded = backend.encode_batch([(prompt or "") + text for text in texts])
+    return [np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2) for e in encoded]
+
+
+#: A private copy of each model's fast tokenizer, for :func:`_token_offsets` (keyed by the
+#: model's tokenizer object; None: the tokenizer cannot report offsets).
+_OFFSET_TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_OFFSET_TOKENIZERS_LOCK = threading.Lock()
+
+
+def _offsets_tokenizer(model: Any) -> Any:
+    """The model's tokenizer as an independent ``tokenizers.Tokenizer``, truncating as it does.
+
+    A Hugging Face fast tokenizer keeps its truncation and padding settings on the shared Rust
+    tokenizer and rewrites them for each call whose settings differ: asking the model's own
+    tokenizer for offsets (no padding) while another thread encodes a batch (padding) made
+    that batch ragged or cut ("list index out of range", "Unable to create tensor").  A copy
+    serves the offsets and is set once; the model's tokenizer is never touched.
+    """
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None or not getattr(tokenizer, "is_fast", False):
         return None
-    max_length = getattr(model, "max_seq_length", None)
-    try:
-        encoded = tokenizer(
-            [(prompt or "") + text for text in texts],
-            return_offsets_mapping=True,
-            truncation=max_length is not None,
-            max_length=max_length,
-        )
-    except (TypeError, ValueError, NotImplementedError):
+    with _OFFSET_TOKENIZERS_LOCK:
+        try:
+            return _OFFSET_TOKENIZERS[tokenizer]
+        except KeyError:
+            pass
+        except TypeError:  # cannot be weakly referenced: no cache, a copy per call
+            return _copy_backend(tokenizer, getattr(model, "max_seq_length", None))
+        backend = _copy_backend(tokenizer, getattr(model, "max_seq_length", None))
+        _OFFSET_TOKENIZERS[tokenizer] = backend
+        return backend
+
+
+def _copy_backend(tokenizer: Any, max_length: int | None) -> Any:
+    from tokenizers import Tokenizer
+
+    source = getattr(tokenizer, "backend_tokenizer", None)
+    if source is None:
         return None
-    return [np.asarray(o, dtype=np.int64).reshape(-1, 2) for o in encoded["offset_mapping"]]
+    try:
+        backend = Tokenizer.from_str(source.to_str())
+    except Exception:  # a tokenizer the Rust library cannot round-trip: no offsets
+        return None
+    backend.no_padding()
+    if max_length is not None:
+        backend.enable_truncation(int(max_length))
+    else:
+        backend.no_truncation()
+    return backend

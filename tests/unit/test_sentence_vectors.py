@@ -164,3 +164,26 @@ def test_real_build_uses_the_tap(st_embedder) -> None:
     check_tree_invariants(tree)
     assert tree.num_layers >= 2
     assert calls == []  # the leaves, summaries and sentences all came from embed_spans
+
+
+def test_token_offsets_leave_the_models_tokenizer_settings_alone(st_embedder) -> None:
+    # A fast tokenizer keeps its padding and truncation on the shared Rust tokenizer, and
+    # rewrites them for each call whose settings differ.  Offsets asked of the model's own
+    # tokenizer (no padding) while another thread embedded a batch (padding) made that
+    # batch ragged: "Unable to create tensor ...".  The offsets come from a private copy.
+    from raptor_core.backends.sentence_transformers import _token_offsets
+
+    model = st_embedder.model
+    st_embedder.embed_documents(["one text", "and a longer second text"])  # pads the batch
+    backend = model.tokenizer.backend_tokenizer
+    before = (backend.padding, backend.truncation)
+    texts = ["a cat", "The quick brown fox jumps over the lazy dog. " * 80]
+    offsets = _token_offsets(model, texts, None)
+    assert (backend.padding, backend.truncation) == before
+    # The same offsets the model's tokenizer gives, cut at the model's window.
+    expected = model.tokenizer(
+        texts, return_offsets_mapping=True, truncation=True, max_length=model.max_seq_length
+    )["offset_mapping"]
+    assert offsets is not None
+    assert [o.tolist() for o in offsets] == [[list(p) for p in e] for e in expected]
+    assert len(offsets[1]) == model.max_seq_length
