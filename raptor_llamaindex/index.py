@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import inspect
+import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,7 +69,11 @@ from raptor_llamaindex.ingestion import (
     to_core_documents,
     update_tree,
 )
-from raptor_llamaindex.models import resolve_embedder, resolve_summarizer
+from raptor_llamaindex.models import (
+    attach_callback_manager,
+    resolve_embedder,
+    resolve_summarizer,
+)
 from raptor_llamaindex.retriever import (
     BUILDER_FLAGS,
     BUILDER_PARAMS,
@@ -85,6 +90,8 @@ from raptor_llamaindex.retriever import (
 from raptor_llamaindex.store import LlamaIndexNodeStore
 
 __all__ = ["RAPTOR_INDEX_TYPE", "RaptorIndex", "RaptorIndexStruct", "to_core_documents"]
+
+logger = logging.getLogger(__name__)
 
 
 _BUILDER_ARGS = frozenset(inspect.signature(TreeBuilder).parameters) - {"embedder", "summarizer"}
@@ -489,6 +496,12 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             callback_manager=callback_manager,
             show_progress=show_progress,
         )
+        # As VectorStoreIndex (resolve_embed_model) and BaseIndex.as_query_engine
+        # (resolve_llm) do: the user's LlamaIndex models report to the index's callback
+        # manager (callback_manager, else Settings'), so a TokenCountingHandler there counts
+        # the build's, updates' and queries' embedding and summary calls.
+        attach_callback_manager(self._embedder, self._callback_manager)
+        attach_callback_manager(self._llm, self._callback_manager)
         # BaseIndex falls back to Settings.transformations; ours: RAPTOR's own chunker.
         self._transformations = transformations
         if building:
@@ -569,7 +582,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             **kwargs,
         )
         if transformations is not None:
-            index._record_hashes(documents)
+            index._ingested(documents)
         return index
 
     @classmethod
@@ -600,7 +613,7 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         if docs:
             await index._aupdate(added=items, show_progress=show_progress)
         if transformations is not None:
-            index._record_hashes(documents)
+            index._ingested(documents)
         return index
 
     @classmethod
@@ -876,10 +889,36 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
 
     def _record_hashes(self, items: Iterable[Any]) -> None:
         # Keyed by what the caller passed: with transformations, the source documents (the
-        # keys refresh_ref_docs looks up), not the nodes made from them.
+        # keys refresh_ref_docs looks up), not the nodes made from them.  Only for what the
+        # index holds: a document whose transformations made no node (an ingestion
+        # pipeline's docstore dropped a duplicate) is not indexed, and a recorded hash would
+        # make refresh_ref_docs skip it for good.
+        indexed = self._indexed_ids()
         for item in items:
-            if isinstance(item, BaseNode):
+            if isinstance(item, BaseNode) and item.node_id in indexed:
                 self._docstore.set_document_hash(item.node_id, item.hash)
+
+    def _indexed_ids(self) -> set[str]:
+        """The ids the index holds: its documents' and, for pre-split nodes, their sources'."""
+        return {i for d in self.documents for i in (d.doc_id, d.chunk_of) if i is not None}
+
+    def _ingested(self, documents: Sequence[Any]) -> None:
+        """After an update from ``documents``: record the hashes of those now indexed.
+
+        A document the index's transformations turned into no node at all is not indexed:
+        said (VectorStoreIndex says nothing, and the document looks inserted), and its hash
+        not recorded, so a later ``refresh_ref_docs`` tries it again.
+        """
+        indexed = self._indexed_ids()
+        for item in documents:
+            if isinstance(item, BaseNode) and item.node_id not in indexed:
+                logger.warning(
+                    "document %r was not indexed: the index's transformations produced no "
+                    "nodes for it (e.g. an IngestionPipeline's docstore skipped it as a "
+                    "duplicate; remove it from that docstore, then insert or refresh it again)",
+                    item.node_id,
+                )
+        self._record_hashes(documents)
 
     def _write(self, tree: Tree, docs: list[Document] | None) -> None:
         """Make the vector store hold exactly ``tree``: write what changed, delete the rest.
@@ -1037,8 +1076,10 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         """
         self._check_new(document)
         # As BaseIndex.insert: a document goes through the index's transformations first.
-        self.insert_nodes(run_ingestion([document], self._transformations))
-        self._record_hashes([document])
+        nodes = run_ingestion([document], self._transformations)
+        if nodes:
+            self.insert_nodes(nodes)
+        self._ingested([document])
 
     def insert_nodes(self, nodes: Sequence[Any], **_: Any) -> None:
         """Add several documents or nodes with one incremental update.
@@ -1052,8 +1093,10 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
     async def ainsert(self, document: Any, **_: Any) -> None:
         """Async :meth:`insert`."""
         self._check_new(document)
-        await self.ainsert_nodes(await arun_ingestion([document], self._transformations))
-        self._record_hashes([document])
+        nodes = await arun_ingestion([document], self._transformations)
+        if nodes:
+            await self.ainsert_nodes(nodes)
+        self._ingested([document])
 
     def _check_new(self, document: Any) -> None:
         # Before the transformations run: their nodes would otherwise join the indexed
@@ -1081,18 +1124,38 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
     def delete_ref_doc(self, ref_doc_id: str, delete_from_docstore: bool = False, **_: Any) -> None:
         """Remove a document by id: its nodes go and the summaries above them are redone.
 
-        Removing the last document leaves an empty index.
+        Removing the last document leaves an empty index.  Its recorded hash goes with it.
+        ``delete_from_docstore=True`` also removes, as ``BaseIndex`` does, the document's
+        entry (``get_ref_doc_info``) and its leaf nodes from the index's docstore (nodes
+        RAPTOR wrote there are deleted with the document anyway); a transformation's own
+        docstore (an ``IngestionPipeline``'s) is not the index's and is left as it is.
 
         Raises:
             InvalidInputError: no document has this id.
         """
+        leaves = self._leaf_ids(ref_doc_id) if delete_from_docstore else []
         self._update(removed=[ref_doc_id])
+        if delete_from_docstore:
+            self._delete_from_docstore(ref_doc_id, leaves)
 
     async def adelete_ref_doc(
         self, ref_doc_id: str, delete_from_docstore: bool = False, **_: Any
     ) -> None:
         """Async :meth:`delete_ref_doc`."""
+        leaves = self._leaf_ids(ref_doc_id) if delete_from_docstore else []
         await self._aupdate(removed=[ref_doc_id])
+        if delete_from_docstore:
+            await asyncio.to_thread(self._delete_from_docstore, ref_doc_id, leaves)
+
+    def _leaf_ids(self, ref_doc_id: str) -> list[str]:
+        info = self.ref_doc_info.get(ref_doc_id)
+        return [] if info is None else list(info.node_ids)
+
+    def _delete_from_docstore(self, ref_doc_id: str, leaves: Sequence[str]) -> None:
+        # BaseIndex.delete_ref_doc(delete_from_docstore=True): each node, then the document.
+        for node_id in leaves:
+            self._docstore.delete_document(node_id, raise_error=False)
+        self._docstore.delete_ref_doc(ref_doc_id, raise_error=False)
 
     def update_ref_doc(self, document: Any, **_: Any) -> None:
         """Replace a document (same id), through the index's transformations.
@@ -1105,14 +1168,14 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         """
         removed = [_source_id(document)]
         self._update(added=run_ingestion([document], self._transformations), removed=removed)
-        self._record_hashes([document])
+        self._ingested([document])
 
     async def aupdate_ref_doc(self, document: Any, **_: Any) -> None:
         """Async :meth:`update_ref_doc`."""
         removed = [_source_id(document)]
         added = await arun_ingestion([document], self._transformations)
         await self._aupdate(added=added, removed=removed)
-        self._record_hashes([document])
+        self._ingested([document])
 
     def refresh_ref_docs(self, documents: Sequence[Any], **_: Any) -> list[bool]:
         """Insert new documents and update changed ones, in one incremental update.
@@ -1131,9 +1194,12 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             if not todo:
                 return [False] * len(documents)
             items = run_ingestion([documents[i] for i in todo], self._transformations)
-            reports = self._update(added=items, removed=self._known(documents, todo))
-            self._record_hashes(documents[i] for i in todo)
-            return self._refreshed(documents, todo, reports, self._tree_doc_ids())
+            known = self._known(documents, todo)
+            reports = self._update(added=items, removed=known) if items or known else []
+            self._ingested([documents[i] for i in todo])
+            return self._refreshed(
+                documents, todo, reports, self._tree_doc_ids(), self._indexed_ids(), known
+            )
 
     async def arefresh_ref_docs(self, documents: Sequence[Any], **_: Any) -> list[bool]:
         """Async :meth:`refresh_ref_docs`."""
@@ -1141,21 +1207,32 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         if not todo:
             return [False] * len(documents)
         items = await arun_ingestion([documents[i] for i in todo], self._transformations)
-        reports = await self._aupdate(added=items, removed=self._known(documents, todo))
-        self._record_hashes(documents[i] for i in todo)
-        return self._refreshed(documents, todo, reports, self._tree_doc_ids())
+        known = self._known(documents, todo)
+        reports = await self._aupdate(added=items, removed=known) if items or known else []
+        self._ingested([documents[i] for i in todo])
+        return self._refreshed(
+            documents, todo, reports, self._tree_doc_ids(), self._indexed_ids(), known
+        )
 
     def _stale(self, documents: Sequence[Any]) -> list[int]:
-        """Positions of the documents whose hash is not the one recorded (new ones included)."""
+        """Positions of the documents not indexed, or whose hash is not the one recorded."""
         if isinstance(documents, str | bytes) or not isinstance(documents, Sequence):
             msg = "refresh_ref_docs() takes a list of LlamaIndex documents"
             raise InvalidParameterError(msg)
         todo = []
+        indexed: set[str] | None = None
         for i, doc in enumerate(documents):
             if not isinstance(doc, BaseNode):
                 msg = f"document #{i} is a {type(doc).__name__}, not a LlamaIndex document"
                 raise InvalidParameterError(msg)
             if self._docstore.get_document_hash(doc.node_id) != doc.hash:
+                todo.append(i)
+                continue
+            # A recorded hash is not proof the document is here (a hash kept by another
+            # index over the same docstore, or recorded before this rule): the index's own
+            # documents decide.
+            indexed = self._indexed_ids() if indexed is None else indexed
+            if doc.node_id not in indexed:
                 todo.append(i)
         return todo
 
@@ -1169,12 +1246,18 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         todo: Sequence[int],
         reports: list[UpdateReport] | None,
         tree_doc_ids: Mapping[str, str],
+        indexed: set[str],
+        removed: Sequence[str],
     ) -> list[bool]:
-        # No reports: the tree was built whole, and every stale document went into it.
+        # No reports: the tree was built whole, and every stale document went into it,
+        # except one its transformations made no node for: not indexed, nothing changed
+        # (unless it was indexed before, and is now removed).
         changed = None if reports is None else {d for r in reports for d in r.docs_changed}
         stale = set(todo)
+        gone = set(removed)
         return [
             i in stale
+            and (doc.node_id in indexed or doc.node_id in gone)
             and (changed is None or tree_doc_ids.get(doc.node_id, doc.node_id) in changed)
             for i, doc in enumerate(documents)
         ]

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.base.llms.base import BaseLLM
+from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.embeddings.mock_embed_model import MockEmbedding
 from llama_index.core.llms.mock import MockLLM
 from llama_index.core.settings import Settings
@@ -51,6 +52,7 @@ __all__ = [
     "LlamaIndexLLM",
     "LlamaIndexSummarizer",
     "RaptorEmbedding",
+    "attach_callback_manager",
     "resolve_embedder",
     "resolve_llm",
     "resolve_summarizer",
@@ -479,6 +481,31 @@ def resolve_llm(llm: BaseLLM | LLM | None) -> LLM | None:
         raise InvalidParameterError(msg)
     settings_llm = configured_llm()
     return None if settings_llm is None else LlamaIndexLLM(settings_llm)
+
+
+def attach_callback_manager(model: object, callback_manager: CallbackManager) -> None:
+    """Make the LlamaIndex model behind ``model`` report to ``callback_manager``.
+
+    LlamaIndex's own convention: ``VectorStoreIndex`` hands its callback manager to its
+    embed model (``resolve_embed_model``) and ``BaseIndex.as_query_engine`` to its LLM
+    (``resolve_llm``) by setting the model's ``callback_manager``; the model's own calls
+    then emit the events a ``TokenCountingHandler`` counts, once each.  ``model`` is a
+    LlamaIndex ``BaseEmbedding``/``BaseLLM`` or one of this module's wrappers over one;
+    anything else (a raptor_core model, a :class:`RaptorEmbedding`, which RAPTOR unwraps
+    and calls directly) is left alone.
+    """
+    target = model
+    if isinstance(model, LlamaIndexEmbedder):
+        target = model.embed_model
+    elif isinstance(model, LlamaIndexLLM):
+        target = model.llm
+    if isinstance(target, RaptorEmbedding):
+        return
+    if (
+        isinstance(target, BaseEmbedding | BaseLLM)
+        and target.callback_manager is not callback_manager
+    ):
+        target.callback_manager = callback_manager
 
 
 def resolve_summarizer(

@@ -50,7 +50,7 @@ from raptor_core.store._format import (
 from raptor_core.tree import Tree
 from raptor_core.types import LLM, Embedder, NodeStore
 from raptor_llamaindex.ingestion import pop_node_fields
-from raptor_llamaindex.models import resolve_embedder, resolve_llm
+from raptor_llamaindex.models import attach_callback_manager, resolve_embedder, resolve_llm
 from raptor_llamaindex.store import core_where
 
 if TYPE_CHECKING:
@@ -417,6 +417,10 @@ class RaptorRetriever(BaseRetriever):
         shape = tree if isinstance(tree, Tree) else getattr(tree, "shape", lambda: None)()
         self._embedder = resolve_embedder(embed_model, tree=shape)
         self._llm = resolve_llm(llm)
+        if callback_manager is not None:
+            # resolve_llm(llm, callback_manager=...)'s convention: the LLM-guided
+            # strategies' calls report to the retriever's callback manager.
+            attach_callback_manager(self._llm, callback_manager)
         if filters is not None and not isinstance(filters, MetadataFilters):
             msg = f"filters must be a LlamaIndex MetadataFilters, got {type(filters).__name__}"
             raise InvalidParameterError(msg)

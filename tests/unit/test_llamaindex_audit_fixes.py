@@ -1,0 +1,217 @@
+"""Audit H: re-inserting through a deduplicating pipeline, token counting, passage hits."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+
+pytest.importorskip("llama_index.core")
+
+from llama_index.core import Document, StorageContext, load_index_from_storage
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+from llama_index.core.ingestion import DocstoreStrategy, IngestionPipeline
+from llama_index.core.llms import MockLLM
+from llama_index.core.node_parser import SentenceSplitter
+from llama_index.core.storage.docstore import SimpleDocumentStore
+
+from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer
+from raptor_llamaindex import RaptorIndex
+
+TEXTS = {
+    "cats": "Cats purr softly. Kittens chase string. A cat grooms its fur. Cats nap in the sun.",
+    "rockets": "Rockets burn fuel. Boosters land on barges. Satellites reach orbit. Engines roar.",
+    "bread": "Bakers knead dough. Yeast makes bread rise. Ovens bake loaves. Crusts turn brown.",
+}
+
+
+class PairClusterer:
+    """Consecutive pairs: a fast, deterministic stand-in for UMAP+GMM."""
+
+    def cluster(self, vectors: Any) -> list[list[int]]:
+        n = len(vectors)
+        return [list(range(i, min(i + 2, n))) for i in range(0, n, 2)]
+
+
+def fast(**extra: Any) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "summarizer": EchoSummarizer(),
+        "tokenizer": WhitespaceTokenizer(),
+        "clusterer": PairClusterer(),
+        "chunk_max_tokens": 8,
+        "summary_max_tokens": 10,
+        "cluster_max_tokens": 100,
+    }
+    options.update(extra)
+    return options
+
+
+# -- a document the transformations drop is not indexed, and can come back -----------------------
+def doc(topic: str) -> Document:
+    return Document(text=TEXTS[topic] * 2, id_=topic)
+
+
+def pipeline_index() -> tuple[RaptorIndex, IngestionPipeline]:
+    splitter = SentenceSplitter(chunk_size=40, chunk_overlap=0)
+    pipeline = IngestionPipeline(
+        transformations=[splitter],
+        docstore=SimpleDocumentStore(),
+        docstore_strategy=DocstoreStrategy.DUPLICATES_ONLY,
+    )
+    index = RaptorIndex.from_documents(
+        [doc("cats"), doc("rockets"), doc("bread")],
+        embed_model=FakeEmbedder(16),
+        transformations=pipeline,
+        **fast(),
+    )
+    return index, pipeline
+
+
+def test_a_reinsert_the_pipeline_drops_is_not_recorded_and_refresh_brings_it_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    index, pipeline = pipeline_index()
+    index.delete_ref_doc("rockets", delete_from_docstore=True)
+    assert index.docstore.get_document_hash("rockets") is None
+    with caplog.at_level(logging.WARNING, logger="raptor_llamaindex.index"):
+        index.insert(doc("rockets"))  # the pipeline's docstore skips the duplicate
+    assert "rockets" not in index.ref_doc_ids
+    assert "produced no nodes" in caplog.text and "'rockets'" in caplog.text
+    # Nothing was indexed, so no hash says it was.
+    assert index.docstore.get_document_hash("rockets") is None
+    # Still dropped by the pipeline: refresh tries (it is not indexed) and changes nothing.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="raptor_llamaindex.index"):
+        assert index.refresh_ref_docs([doc("rockets")]) == [False]
+    assert "produced no nodes" in caplog.text
+    # Once the pipeline lets it through again, refresh indexes it.
+    pipeline.docstore.delete_document("rockets")
+    assert index.refresh_ref_docs([doc("rockets"), doc("cats")]) == [True, False]
+    assert "rockets" in index.ref_doc_ids
+    assert index.docstore.get_document_hash("rockets") == doc("rockets").hash
+    assert any(leaf.doc_id == "rockets" for leaf in index.tree.leaves)
+
+
+def test_refresh_reindexes_a_document_whose_hash_is_recorded_but_which_is_not_indexed() -> None:
+    index = RaptorIndex.from_documents(
+        [doc("cats"), doc("bread")], embed_model=FakeEmbedder(16), **fast()
+    )
+    # A hash recorded for a document the index does not hold (e.g. by an older version, or
+    # another index sharing the docstore) does not make refresh skip it.
+    index.docstore.set_document_hash("rockets", doc("rockets").hash)
+    assert index.refresh_ref_docs([doc("rockets"), doc("cats")]) == [True, False]
+    assert "rockets" in index.ref_doc_ids
+
+
+def test_async_insert_of_a_dropped_document_records_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    index, _ = pipeline_index()
+    asyncio.run(index.adelete_ref_doc("rockets", delete_from_docstore=True))
+    with caplog.at_level(logging.WARNING, logger="raptor_llamaindex.index"):
+        asyncio.run(index.ainsert(doc("rockets")))
+    assert "produced no nodes" in caplog.text
+    assert "rockets" not in index.ref_doc_ids
+    assert index.docstore.get_document_hash("rockets") is None
+    assert asyncio.run(index.arefresh_ref_docs([doc("rockets")])) == [False]
+
+
+def test_delete_from_docstore_removes_the_document_from_the_index_docstore() -> None:
+    index = RaptorIndex.from_documents(
+        [doc("cats"), doc("rockets"), doc("bread")],
+        embed_model=FakeEmbedder(16),
+        transformations=[SentenceSplitter(chunk_size=40, chunk_overlap=0)],
+        **fast(),
+    )
+    leaves = index.ref_doc_info["rockets"].node_ids
+    # Entries a user (or LlamaIndex) put in the index's docstore under the document.
+    index.docstore.set_document_hash("rockets", "h")
+    index.delete_ref_doc("rockets", delete_from_docstore=True)
+    assert index.docstore.get_ref_doc_info("rockets") is None
+    assert index.docstore.get_document_hash("rockets") is None
+    assert not any(index.docstore.document_exists(i) for i in leaves)
+    assert "rockets" not in index.ref_doc_ids
+    assert index.docstore.get_document_hash("cats") == doc("cats").hash
+
+
+# -- LlamaIndex callbacks (TokenCountingHandler) see RAPTOR's model calls -------------------------
+#: Every text a UserEmbedding embedded, in order.
+EMBEDDED: list[str] = []
+
+
+class UserEmbedding(BaseEmbedding):
+    """A user's own LlamaIndex embedding model (deterministic); records what it embeds."""
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        EMBEDDED.append(text)
+        return [float(v) for v in FakeEmbedder(16).embed_query(text)]
+
+    def _get_query_embedding(self, query: str) -> list[float]:
+        return self._get_text_embedding(query)
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        return self._get_text_embedding(query)
+
+
+def test_token_counting_handler_counts_build_update_and_query_calls() -> None:
+    counter = TokenCountingHandler()
+    embed_model, llm = UserEmbedding(), MockLLM(max_tokens=6)
+    EMBEDDED.clear()
+    manager = CallbackManager([counter])
+    index = RaptorIndex.from_documents(
+        [doc("cats"), doc("rockets")],
+        embed_model=embed_model,
+        llm=llm,
+        callback_manager=manager,
+        **{**fast(), "summarizer": None},
+    )
+    summaries = [n for n in index.tree.nodes if n.layer > 0]
+    assert summaries, "the build should summarise here"
+    assert counter.total_embedding_token_count > 0
+    assert counter.total_llm_token_count > 0
+    # One count per text the model embedded, at most one per summary (equal clusters are
+    # summarised once): nothing counted twice.
+    assert len(counter.embedding_token_counts) == len(EMBEDDED)
+    assert 0 < len(counter.llm_token_counts) <= len(summaries)
+    # LlamaIndex's convention (resolve_embed_model / resolve_llm): set on the models.
+    assert embed_model.callback_manager is manager
+    assert llm.callback_manager is manager
+
+    counter.reset_counts()
+    index.insert(doc("bread"))
+    assert counter.total_embedding_token_count > 0
+
+    counter.reset_counts()
+    assert index.as_retriever().retrieve("Why do cats purr?")
+    assert counter.total_embedding_token_count > 0
+    assert len(counter.embedding_token_counts) == 1
+
+
+def test_a_loaded_index_reports_to_the_callback_manager_it_is_given(tmp_path: Any) -> None:
+    index = RaptorIndex.from_documents(
+        [doc("cats"), doc("rockets")], embed_model=UserEmbedding(), **fast()
+    )
+    index.storage_context.persist(str(tmp_path))
+    counter = TokenCountingHandler()
+    loaded = load_index_from_storage(
+        StorageContext.from_defaults(persist_dir=str(tmp_path)),
+        embed_model=UserEmbedding(),
+        callback_manager=CallbackManager([counter]),
+    )
+    loaded.as_retriever().retrieve("rockets")
+    assert counter.total_embedding_token_count > 0
+
+
+def test_an_llm_strategy_counts_its_query_time_llm_calls() -> None:
+    index = RaptorIndex.from_documents(
+        [doc("cats"), doc("rockets")], embed_model=UserEmbedding(), **fast()
+    )
+    counter = TokenCountingHandler()
+    retriever = index.as_retriever(
+        strategy="llm", llm=MockLLM(max_tokens=4), callback_manager=CallbackManager([counter])
+    )
+    retriever.retrieve("Why do cats purr?")  # MockLLM's answers are unusable: it falls back
+    assert counter.total_llm_token_count > 0
