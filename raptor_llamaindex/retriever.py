@@ -47,7 +47,7 @@ from raptor_core.store._format import (
     _parse_json,
     write_tree,
 )
-from raptor_core.tree import Tree
+from raptor_core.tree import Node, Tree
 from raptor_core.types import LLM, Embedder, NodeStore
 from raptor_llamaindex.ingestion import pop_node_fields
 from raptor_llamaindex.models import attach_callback_manager, resolve_embedder, resolve_llm
@@ -94,6 +94,7 @@ def hit_to_node(
     *,
     excluded_llm_metadata_keys: Sequence[str] = (),
     excluded_embed_metadata_keys: Sequence[str] = (),
+    last_leaf: Node | None = None,
 ) -> NodeWithScore:
     """Turn a core :class:`~raptor_core.Hit` into a LlamaIndex ``NodeWithScore``.
 
@@ -105,7 +106,11 @@ def hit_to_node(
     cover) and ``raptor_children`` (also as ``CHILD`` relationships); one over a single
     document has it as ``SOURCE`` too.  A node inside a summary links it as ``PARENT`` (the
     first one).  A passage of several leaves (the ``"passage"`` strategy) is a leaf-like node
-    whose ``raptor_leaves`` lists the leaf ids it joins.  The ``raptor_*`` keys, and the
+    whose ``raptor_leaves`` lists the leaf ids it joins, in document order; its id is made
+    for the hit (``first..last``, stored nowhere).  When its leaves were LlamaIndex nodes it
+    keeps their ``SOURCE``, the first one's ``PREVIOUS`` and the last one's ``NEXT``
+    (``last_leaf``: that leaf, as stored), so ``PrevNextNodePostprocessor`` extends it as it
+    would a node.  The ``raptor_*`` keys, and the
     document keys named in ``excluded_*_metadata_keys``, are kept out of prompts and
     embeddings as LlamaIndex does for its own bookkeeping.
     """
@@ -155,10 +160,18 @@ def hit_to_node(
         ]
     if fields is not None and node.is_leaf:
         if len(hit.leaves) > 1:
-            # A passage of several nodes: only their shared document still applies.
+            # A passage of several nodes: their shared document, and what lies around the
+            # run (before its first node, after its last); the first node's offsets and
+            # templates would be wrong for the joined text.
             source = fields.relationships.get(NodeRelationship.SOURCE)
             if source is not None:
                 relationships[NodeRelationship.SOURCE] = source
+            previous = fields.relationships.get(NodeRelationship.PREVIOUS)
+            if previous is not None:
+                relationships[NodeRelationship.PREVIOUS] = previous
+            after = _next_of(last_leaf)
+            if after is not None:
+                relationships[NodeRelationship.NEXT] = after
         else:
             relationships = {**relationships, **fields.relationships}
             start, end = fields.start_char_idx, fields.end_char_idx
@@ -175,6 +188,14 @@ def hit_to_node(
         **extra,
     )
     return NodeWithScore(node=text_node, score=hit.score)
+
+
+def _next_of(leaf: Node | None) -> Any:
+    """The ``NEXT`` relationship a leaf that was a LlamaIndex node had, else None."""
+    if leaf is None:
+        return None
+    fields = pop_node_fields(dict(leaf.metadata))
+    return None if fields is None else fields.relationships.get(NodeRelationship.NEXT)
 
 
 def make_core_retriever(
@@ -554,14 +575,26 @@ class RaptorRetriever(BaseRetriever):
         return params
 
     def _to_nodes(self, hits: Sequence[Hit]) -> list[NodeWithScore]:
+        last = self._last_leaves(hits)
         return [
             hit_to_node(
                 h,
                 excluded_llm_metadata_keys=self.excluded_llm_metadata_keys,
                 excluded_embed_metadata_keys=self.excluded_embed_metadata_keys,
+                last_leaf=last.get(h.leaves[-1]) if len(h.leaves) > 1 else None,
             )
             for h in hits
         ]
+
+    def _last_leaves(self, hits: Sequence[Hit]) -> dict[str, Node]:
+        """The last leaf of each passage of several leaves (its ``NEXT``), read in one call."""
+        ids = list(dict.fromkeys(h.leaves[-1] for h in hits if len(h.leaves) > 1))
+        if not ids:
+            return {}
+        tree = self._tree
+        if isinstance(tree, Tree):
+            return {i: tree.node(i) for i in ids if i in tree}
+        return {node.id: node for node in tree.get(ids)}
 
     def _sync_tree(self) -> None:
         # An index update changed the store: strategies may hold what they read (BM25 over
@@ -620,6 +653,8 @@ class RaptorRetriever(BaseRetriever):
                 max_tokens=self.max_tokens,
                 embedding=embedding,
             )
+            # Passages' last leaves are read from the store: off the event loop too.
+            return await asyncio.to_thread(self._to_nodes, hits)
         return self._to_nodes(hits)
 
     # -- persistence ---------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 from llama_index.core.ingestion import DocstoreStrategy, IngestionPipeline
 from llama_index.core.llms import MockLLM
 from llama_index.core.node_parser import SentenceSplitter
+from llama_index.core.postprocessor import PrevNextNodePostprocessor
+from llama_index.core.schema import BaseNode, NodeRelationship
 from llama_index.core.storage.docstore import SimpleDocumentStore
 
 from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer
@@ -215,3 +217,55 @@ def test_an_llm_strategy_counts_its_query_time_llm_calls() -> None:
     )
     retriever.retrieve("Why do cats purr?")  # MockLLM's answers are unusable: it falls back
     assert counter.total_llm_token_count > 0
+
+
+# -- a passage links to the nodes around it --------------------------------------------------------
+def bee_nodes() -> list[BaseNode]:
+    text = " ".join(f"Bees dance number {i}. Bees make honey {i}." for i in range(60))
+    splitter = SentenceSplitter(chunk_size=40, chunk_overlap=0)
+    return list(splitter.get_nodes_from_documents([Document(text=text, id_="bees")]))
+
+
+def test_a_passage_keeps_the_previous_of_its_first_leaf_and_the_next_of_its_last() -> None:
+    nodes = bee_nodes()
+    by_id = {n.node_id: n for n in nodes}
+    index = RaptorIndex(nodes, embed_model=FakeEmbedder(16), **fast())
+    query = "Bees dance number 30. Bees make honey 30."
+    hits = index.as_retriever(similarity_top_k=2, max_tokens=200).retrieve(query)
+    passages = [h for h in hits if len(h.node.metadata.get("raptor_leaves", [])) > 1]
+    assert passages, "the passage strategy should join neighbouring nodes here"
+    for hit in passages:
+        leaves = hit.node.metadata["raptor_leaves"]
+        first, last = by_id[leaves[0]], by_id[leaves[-1]]
+        rels = hit.node.relationships
+        assert rels[NodeRelationship.SOURCE].node_id == "bees"
+        # The nodes around the run, where there are some (the document's last node has
+        # no NEXT).
+        before = rels.get(NodeRelationship.PREVIOUS)
+        after = rels.get(NodeRelationship.NEXT)
+        assert (before and before.node_id) == (first.prev_node and first.prev_node.node_id)
+        assert (after and after.node_id) == (last.next_node and last.next_node.node_id)
+        # Its id is made for the hit; its leaves are stored nodes.
+        assert not index.docstore.document_exists(hit.node.node_id)
+        assert all(index.docstore.document_exists(i) for i in leaves)
+    assert any(NodeRelationship.NEXT in h.node.relationships for h in passages)
+    assert any(NodeRelationship.PREVIOUS in h.node.relationships for h in passages)
+    # PrevNextNodePostprocessor extends a passage as it would a node.
+    postprocessor = PrevNextNodePostprocessor(docstore=index.docstore, num_nodes=1, mode="both")
+    inner = next(h for h in passages if NodeRelationship.NEXT in h.node.relationships)
+    extended = {n.node.node_id for n in postprocessor.postprocess_nodes([inner])}
+    leaves = inner.node.metadata["raptor_leaves"]
+    assert by_id[leaves[0]].prev_node.node_id in extended  # type: ignore[union-attr]
+    assert by_id[leaves[-1]].next_node.node_id in extended  # type: ignore[union-attr]
+    # Async retrieval links the same way.
+    again = asyncio.run(index.as_retriever(similarity_top_k=2, max_tokens=200).aretrieve(query))
+    assert [h.node.relationships for h in again] == [h.node.relationships for h in hits]
+
+
+def test_without_a_budget_the_passage_strategy_returns_stored_nodes() -> None:
+    nodes = bee_nodes()
+    index = RaptorIndex(nodes, embed_model=FakeEmbedder(16), **fast())
+    hits = index.as_retriever(similarity_top_k=3, max_tokens=None).retrieve("Bees dance number 7.")
+    assert len(hits) == 3
+    assert all("raptor_leaves" not in h.node.metadata for h in hits)
+    assert all(index.docstore.document_exists(h.node.node_id) for h in hits)

@@ -348,7 +348,7 @@ def test_a_core_embedder_over_a_llamaindex_model_emits_events(
     assert starts
 
 
-def test_a_passage_of_several_nodes_keeps_only_their_source() -> None:
+def test_a_passage_of_several_nodes_keeps_their_source_and_outer_links() -> None:
     text = " ".join(f"Bees dance number {i}. Bees make honey {i}." for i in range(60))
     index = RaptorIndex.from_documents(
         [Document(text=text, id_="bees")],
@@ -363,8 +363,13 @@ def test_a_passage_of_several_nodes_keeps_only_their_source() -> None:
     single = [h.node for h in hits if "raptor_leaves" not in h.node.metadata]
     assert joined, "the passage strategy should join neighbouring nodes here"
     for node in joined:
-        # PREVIOUS/NEXT/offsets of the first node would be wrong for the joined passage.
-        assert set(node.relationships) == {NodeRelationship.SOURCE}
+        # The first node's NEXT and offsets would be wrong for the joined passage: it keeps
+        # the document, the first node's PREVIOUS and the last node's NEXT (when they exist).
+        assert set(node.relationships) <= {
+            NodeRelationship.SOURCE,
+            NodeRelationship.PREVIOUS,
+            NodeRelationship.NEXT,
+        }
         assert node.ref_doc_id == "bees"
     for node in single:
         assert NodeRelationship.NEXT in node.relationships or (
