@@ -20,7 +20,7 @@ from llama_index.core.postprocessor import PrevNextNodePostprocessor
 from llama_index.core.schema import BaseNode, NodeRelationship
 from llama_index.core.storage.docstore import SimpleDocumentStore
 
-from raptor_core.testing import EchoSummarizer, FakeEmbedder, WhitespaceTokenizer
+from raptor_core.testing import EchoSummarizer, FakeEmbedder, GroupClusterer, WhitespaceTokenizer
 from raptor_llamaindex import RaptorIndex
 
 TEXTS = {
@@ -30,19 +30,11 @@ TEXTS = {
 }
 
 
-class PairClusterer:
-    """Consecutive pairs: a fast, deterministic stand-in for UMAP+GMM."""
-
-    def cluster(self, vectors: Any) -> list[list[int]]:
-        n = len(vectors)
-        return [list(range(i, min(i + 2, n))) for i in range(0, n, 2)]
-
-
 def fast(**extra: Any) -> dict[str, Any]:
     options: dict[str, Any] = {
         "summarizer": EchoSummarizer(),
         "tokenizer": WhitespaceTokenizer(),
-        "clusterer": PairClusterer(),
+        "clusterer": GroupClusterer(2),
         "chunk_max_tokens": 8,
         "summary_max_tokens": 10,
         "cluster_max_tokens": 100,
