@@ -87,44 +87,52 @@ def _assert_joined_scores_as_whole(
         assert rows[apart, budget]["evidence_recall"] is not None
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("apart", "joined", "needs"),
-    [
-        (
-            "nodes-as-leaves=llamaindex_nodes:NodesAsLeaves",
-            "nodes-rejoined=llamaindex_nodes:NodesRejoined",
-            ("llama_index.core",),
-        ),
-        (
-            # langchain_pages cuts the pages.
-            "li-pages-as-documents=llamaindex_pages:PagesAsDocuments",
-            "li-pages-joined=llamaindex_pages:PagesJoined",
-            ("llama_index.core", "langchain_text_splitters"),
-        ),
-        (
-            "splits-as-documents=langchain_splits:SplitsAsDocuments",
-            "splits-rejoined=langchain_splits:SplitsRejoined",
-            ("langchain_text_splitters",),
-        ),
-        (
-            # langchain_pages builds on langchain_splits.
-            "pages-as-documents=langchain_pages:PagesAsDocuments",
-            "pages-joined=langchain_pages:PagesJoined",
-            ("langchain_text_splitters",),
-        ),
-    ],
-    ids=["llamaindex-nodes", "llamaindex-pages", "langchain-splits", "langchain-pages"],
-)
-def test_joined_documents_score_as_the_whole_documents(
-    tmp_path: Path, apart: str, joined: str, needs: tuple[str, ...]
-) -> None:
-    for module in needs:
+PAIRS = {
+    "llamaindex-nodes": (
+        "nodes-as-leaves=llamaindex_nodes:NodesAsLeaves",
+        "nodes-rejoined=llamaindex_nodes:NodesRejoined",
+    ),
+    # langchain_pages cuts the pages.
+    "llamaindex-pages": (
+        "li-pages-as-documents=llamaindex_pages:PagesAsDocuments",
+        "li-pages-joined=llamaindex_pages:PagesJoined",
+    ),
+    "langchain-splits": (
+        "splits-as-documents=langchain_splits:SplitsAsDocuments",
+        "splits-rejoined=langchain_splits:SplitsRejoined",
+    ),
+    # langchain_pages builds on langchain_splits.
+    "langchain-pages": (
+        "pages-as-documents=langchain_pages:PagesAsDocuments",
+        "pages-joined=langchain_pages:PagesJoined",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[Any, Any], str]:
+    """One quality.py run of passage and every module's two retrievers: (rows, quality.md).
+
+    One run, not one per module: each run loads the model and builds the whole-document
+    trees again.
+    """
+    for module in ("llama_index.core", "langchain_text_splitters"):
         pytest.importorskip(module)
-    _write_set(tmp_path / "data")
-    out = tmp_path / "out"
-    rows = _summary(tmp_path / "data", out, f"passage,{apart},{joined}")
-    _assert_joined_scores_as_whole(rows, apart=apart.split("=")[0], joined=joined.split("=")[0])
+    root = tmp_path_factory.mktemp("rejoin")
+    _write_set(root / "data")
+    retrievers = ",".join(["passage", *(name for pair in PAIRS.values() for name in pair)])
+    rows = _summary(root / "data", root / "out", retrievers)
+    return rows, (root / "out" / "quality.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_joined_documents_score_as_the_whole_documents(
+    one_run: tuple[dict[Any, Any], str], pair: str
+) -> None:
+    rows, markdown = one_run
+    apart, joined = (name.split("=")[0] for name in PAIRS[pair])
+    mine = {key: row for key, row in rows.items() if key[0] in {"passage", apart, joined}}
+    _assert_joined_scores_as_whole(mine, apart=apart, joined=joined)
     # No flat baseline ran: the headline says so instead of naming a baseline "None".
-    markdown = (out / "quality.md").read_text()
     assert "No flat baseline ran in this run" in markdown and "(None)" not in markdown

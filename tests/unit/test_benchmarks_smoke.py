@@ -291,27 +291,18 @@ def test_vs_baselines_benchmark_runs_at_a_toy_size(tmp_path: Path, eval_data: Pa
     assert set(data) == {"environment", "source", "seed", "rows"} and data["rows"]
 
 
-#: The retrievers of the four framework modules, as their docstrings run them.
-FRAMEWORK_RETRIEVERS = [
-    "nodes-as-leaves=llamaindex_nodes:NodesAsLeaves",
-    "nodes-rejoined=llamaindex_nodes:NodesRejoined",
-    "li-pages-as-documents=llamaindex_pages:PagesAsDocuments",
-    "li-pages-joined=llamaindex_pages:PagesJoined",
-    "splits-as-documents=langchain_splits:SplitsAsDocuments",
-    "splits-rejoined=langchain_splits:SplitsRejoined",
-    "pages-as-documents=langchain_pages:PagesAsDocuments",
-    "pages-joined=langchain_pages:PagesJoined",
-]
-
-
 @pytest.mark.slow
 def test_quality_and_compare_benchmarks_run_at_a_toy_size(tmp_path: Path, eval_data: Path) -> None:
-    """quality.py with the flat baselines and the framework modules' retrievers, then
-    compare.py on its output."""
+    """quality.py with the flat baselines, then compare.py on its output.
+
+    The four framework modules' retrievers (llamaindex_nodes, llamaindex_pages,
+    langchain_splits, langchain_pages) run through quality.py in
+    tests/integration/test_rejoin_benchmarks.py, which also checks their figures.
+    """
     common = ["--data", str(eval_data), "--sets", "qasper", "--limit-docs", "0"]
     common += ["--limit-questions", "0", "--budgets", "400", "--cache", str(tmp_path / "cache")]
     base = tmp_path / "base"
-    retrievers = ",".join(["passage", "dense", "bm25", *FRAMEWORK_RETRIEVERS])
+    retrievers = "passage,dense,bm25"
     stdout = ran(
         run_benchmark(
             "quality.py", *common, "--out", str(base), "--retrievers", retrievers, timeout=300
