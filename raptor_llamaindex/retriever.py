@@ -49,7 +49,7 @@ from raptor_core.store._format import (
 )
 from raptor_core.tree import Node, Tree
 from raptor_core.types import LLM, Embedder, NodeStore
-from raptor_llamaindex.ingestion import pop_node_fields
+from raptor_llamaindex.ingestion import LLAMAINDEX_NODE_KEY, pop_node_fields
 from raptor_llamaindex.models import attach_callback_manager, resolve_embedder, resolve_llm
 from raptor_llamaindex.store import core_where
 
@@ -588,7 +588,15 @@ class RaptorRetriever(BaseRetriever):
 
     def _last_leaves(self, hits: Sequence[Hit]) -> dict[str, Node]:
         """The last leaf of each passage of several leaves (its ``NEXT``), read in one call."""
-        ids = list(dict.fromkeys(h.leaves[-1] for h in hits if len(h.leaves) > 1))
+        # Only passages of LlamaIndex nodes have links to keep: RAPTOR's own chunks have none,
+        # and a store-backed index would otherwise pay a read per query for nothing.
+        ids = list(
+            dict.fromkeys(
+                h.leaves[-1]
+                for h in hits
+                if len(h.leaves) > 1 and LLAMAINDEX_NODE_KEY in h.node.metadata
+            )
+        )
         if not ids:
             return {}
         tree = self._tree

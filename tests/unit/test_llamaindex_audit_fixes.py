@@ -254,6 +254,20 @@ def test_a_passage_keeps_the_previous_of_its_first_leaf_and_the_next_of_its_last
     assert [h.node.relationships for h in again] == [h.node.relationships for h in hits]
 
 
+def test_passages_of_raptors_own_chunks_read_no_last_leaf() -> None:
+    # Only LlamaIndex nodes have PREVIOUS / NEXT to keep: passages of RAPTOR's own chunks
+    # must not cost a store read per query for nothing.
+    index = RaptorIndex.from_documents(
+        [Document(text=" ".join(f"Bees dance number {i}." for i in range(40)), id_="bees")],
+        embed_model=FakeEmbedder(16),
+        **fast(),
+    )
+    retriever = index.as_retriever(similarity_top_k=2, max_tokens=200)
+    hits = retriever._core.retrieve("Bees dance number 30.", k=2, max_tokens=200)
+    assert any(len(h.leaves) > 1 for h in hits)
+    assert retriever._last_leaves(hits) == {}
+
+
 def test_without_a_budget_the_passage_strategy_returns_stored_nodes() -> None:
     nodes = bee_nodes()
     index = RaptorIndex(nodes, embed_model=FakeEmbedder(16), **fast())
