@@ -150,32 +150,16 @@ def _progress(enabled: bool) -> Any:
     return bars, update
 
 
-def _scorable(question: Question, *, reader: bool) -> bool:
-    """Whether any metric of :func:`~raptor_core.evaluation.runner.evaluate` can score it.
-
-    The same rules as the metrics at the command line's settings (the default run length
-    and answer filter): a one-word or numeric answer and a passage shorter than the run
-    length are never scored, and a multiple-choice question only with a reader.
-    """
-    from raptor_core.evaluation.metrics import DEFAULT_NGRAM, scorable_answers, tokens
-
-    return bool(
-        scorable_answers(question.answers)
-        or any(len(tokens(passage)) >= DEFAULT_NGRAM for passage in question.evidence)
-        or question.evidence_sections
-        or question.evidence_turn_spans
-        or (reader and question.gold_option is not None)
-    )
-
-
 def _check_gold(questions: list[Question], args: argparse.Namespace) -> int:
     """How many questions no metric can score; InvalidInputError when that is all of them.
 
     Without any gold the run would build every tree (the expensive part) and report only
     null metrics, so it stops here, before anything is built.
     """
+    from raptor_core.evaluation.runner import unscorable
+
     reader = args.reader == "llm"
-    unscored = [q for q in questions if not _scorable(q, reader=reader)]
+    unscored = unscorable(questions, reader=reader)
     if questions and len(unscored) == len(questions):
         limited = args.limit_docs is not None or args.limit_questions is not None
         which = " selected by --limit-docs/--limit-questions" if limited else ""

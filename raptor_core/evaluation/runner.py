@@ -45,8 +45,10 @@ from raptor_core.evaluation.metrics import (
     answer_recall,
     evidence_recall,
     fit_budget,
+    scorable_answers,
     span_precision,
     span_recall,
+    tokens,
 )
 from raptor_core.evaluation.readers import ChoiceReader
 from raptor_core.exceptions import (
@@ -76,6 +78,7 @@ __all__ = [
     "environment",
     "evaluate",
     "resolve_retrievers",
+    "unscorable",
 ]
 
 logger = logging.getLogger(__name__)
@@ -675,6 +678,28 @@ def _check_budgets(budgets: Sequence[int]) -> list[int]:
     return sorted(set(out))
 
 
+def unscorable(
+    questions: Sequence[Question], *, reader: bool = False, ngram: int = DEFAULT_NGRAM
+) -> list[Question]:
+    """The questions that no metric of :func:`evaluate` can score.
+
+    The metrics' own rules: a one-word or numeric answer and an evidence passage shorter
+    than ``ngram`` words are never scored, and a multiple-choice question (``options`` and
+    ``gold_option``) only with a ``reader``.
+    """
+    return [
+        q
+        for q in questions
+        if not (
+            scorable_answers(q.answers)
+            or any(len(tokens(passage)) >= ngram for passage in q.evidence)
+            or q.evidence_sections
+            or q.evidence_turn_spans
+            or (reader and q.gold_option is not None)
+        )
+    ]
+
+
 def evaluate(
     documents: Sequence[Document],
     questions: Sequence[Question],
@@ -733,7 +758,8 @@ def evaluate(
         progress: ``progress(stage, done, total)`` callback.
 
     Raises:
-        InvalidInputError: no questions, or a question about a document not given.
+        InvalidInputError: no questions, a question about a document not given, or no
+            question with gold a metric can score (see :func:`unscorable`).
         InvalidParameterError: a bad budget, ``tree_per`` or retriever name, or a reader
             that returns no option index.
         LLMAuthenticationError: the reader's model rejected a request (bad key, unknown
@@ -758,6 +784,19 @@ def evaluate(
         msg = "no questions to evaluate"
         raise InvalidInputError(msg)
     check_questions(questions, documents)
+    if len(unscorable(questions, reader=reader is not None, ngram=ngram)) == len(questions):
+        # Building every tree (the expensive part) would end in null metrics only.
+        hint = ""
+        if reader is None and any(q.gold_option is not None for q in questions):
+            hint = "; multiple-choice questions are scored only with a reader= (LLMChoiceReader)"
+        msg = (
+            f"none of the {len(questions)} questions has gold a metric can score, so every "
+            "score would be null: give questions evidence (passages copied from the "
+            f"document, of {ngram} or more words), answers (of 2 or more words, not numbers), "
+            f"evidence_sections or evidence_turn_spans, or options with gold_option{hint} "
+            "(see docs/evaluation.md, Input format)"
+        )
+        raise InvalidInputError(msg)
     specs, skipped = resolve_retrievers(retrievers, llm=llm)
     if not specs:
         msg = f"no retriever can run: {skipped}"

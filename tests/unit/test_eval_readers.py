@@ -18,6 +18,7 @@ from raptor_core.evaluation import (
 )
 from raptor_core.evaluation import report as eval_report
 from raptor_core.evaluation.readers import CHOICE_PROMPT, ChoiceReader, parse_choice
+from raptor_core.evaluation.runner import unscorable
 from raptor_core.exceptions import (
     InvalidInputError,
     InvalidParameterError,
@@ -248,10 +249,22 @@ def test_choice_accuracy_follows_the_context_the_reader_gets() -> None:
 
 
 def test_without_a_reader_multiple_choice_is_not_scored() -> None:
-    result = _evaluate(None)
+    answered = Question(
+        doc_id="s", question_id="answered", question="How?", answers=("a white horse",)
+    )
+    result = _evaluate(None, [QUESTION, answered])
     assert result.score("gold", 50, "choice_accuracy") is None
     assert "choice_accuracy" not in result.metrics
     assert all(r["choice_accuracy"] is None and r["reader_error"] is None for r in result.rows)
+
+
+def test_without_a_reader_or_any_gold_nothing_is_built() -> None:
+    # Only multiple-choice questions and one without gold: every score would be null, so
+    # the run stops before building a tree, and says what a reader would change.
+    with pytest.raises(InvalidInputError, match=r"none of the 2 questions.*reader="):
+        _evaluate(None)
+    assert unscorable([QUESTION, RECALL_ONLY]) == [QUESTION, RECALL_ONLY]
+    assert unscorable([QUESTION, RECALL_ONLY], reader=True) == [RECALL_ONLY]
 
 
 def test_a_rejected_request_stops_the_run() -> None:
