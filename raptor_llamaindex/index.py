@@ -887,13 +887,13 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         self._record_hashes(added)
         self._storage_context.index_store.add_index_struct(self._index_struct)
 
-    def _record_hashes(self, items: Iterable[Any]) -> None:
+    def _record_hashes(self, items: Iterable[Any], indexed: set[str] | None = None) -> None:
         # Keyed by what the caller passed: with transformations, the source documents (the
         # keys refresh_ref_docs looks up), not the nodes made from them.  Only for what the
         # index holds: a document whose transformations made no node (an ingestion
         # pipeline's docstore dropped a duplicate) is not indexed, and a recorded hash would
-        # make refresh_ref_docs skip it for good.
-        indexed = self._indexed_ids()
+        # make refresh_ref_docs skip it for good.  ``indexed``: the caller's _indexed_ids().
+        indexed = self._indexed_ids() if indexed is None else indexed
         for item in items:
             if isinstance(item, BaseNode) and item.node_id in indexed:
                 self._docstore.set_document_hash(item.node_id, item.hash)
@@ -902,12 +902,13 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         """The ids the index holds: its documents' and, for pre-split nodes, their sources'."""
         return {i for d in self.documents for i in (d.doc_id, d.chunk_of) if i is not None}
 
-    def _ingested(self, documents: Sequence[Any]) -> None:
+    def _ingested(self, documents: Sequence[Any]) -> set[str]:
         """After an update from ``documents``: record the hashes of those now indexed.
 
         A document the index's transformations turned into no node at all is not indexed:
         said (VectorStoreIndex says nothing, and the document looks inserted), and its hash
-        not recorded, so a later ``refresh_ref_docs`` tries it again.
+        not recorded, so a later ``refresh_ref_docs`` tries it again.  Returns the ids the
+        index now holds (:meth:`_indexed_ids`).
         """
         indexed = self._indexed_ids()
         for item in documents:
@@ -918,7 +919,8 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
                     "duplicate; remove it from that docstore, then insert or refresh it again)",
                     item.node_id,
                 )
-        self._record_hashes(documents)
+        self._record_hashes(documents, indexed)
+        return indexed
 
     def _write(self, tree: Tree, docs: list[Document] | None) -> None:
         """Make the vector store hold exactly ``tree``: write what changed, delete the rest.
@@ -1196,10 +1198,8 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
             items = run_ingestion([documents[i] for i in todo], self._transformations)
             known = self._known(documents, todo)
             reports = self._update(added=items, removed=known) if items or known else []
-            self._ingested([documents[i] for i in todo])
-            return self._refreshed(
-                documents, todo, reports, self._tree_doc_ids(), self._indexed_ids(), known
-            )
+            indexed = self._ingested([documents[i] for i in todo])
+            return self._refreshed(documents, todo, reports, self._tree_doc_ids(), indexed, known)
 
     async def arefresh_ref_docs(self, documents: Sequence[Any], **_: Any) -> list[bool]:
         """Async :meth:`refresh_ref_docs`."""
@@ -1209,10 +1209,8 @@ class RaptorIndex(BaseIndex[RaptorIndexStruct]):
         items = await arun_ingestion([documents[i] for i in todo], self._transformations)
         known = self._known(documents, todo)
         reports = await self._aupdate(added=items, removed=known) if items or known else []
-        self._ingested([documents[i] for i in todo])
-        return self._refreshed(
-            documents, todo, reports, self._tree_doc_ids(), self._indexed_ids(), known
-        )
+        indexed = self._ingested([documents[i] for i in todo])
+        return self._refreshed(documents, todo, reports, self._tree_doc_ids(), indexed, known)
 
     def _stale(self, documents: Sequence[Any]) -> list[int]:
         """Positions of the documents not indexed, or whose hash is not the one recorded."""
