@@ -163,26 +163,29 @@ def hit_to_document(hit: Hit, *, search_metadata: bool = True) -> Document:
     ``raptor_leaves``    the leaf ids a ``"passage"`` hit joins (only for joined passages)
     """
     node = hit.node
+    # What describes this search, apart: left out whole with search_metadata=False, so a
+    # node's own keys (a document's "score" included) are never dropped with it.
+    search: dict[str, Any] = {
+        "score": hit.score,
+        "raptor_strategy": hit.source,
+        "raptor_path": list(hit.path),
+    }
+    if hit.reason is not None:
+        search["raptor_reason"] = hit.reason
+    if hit.evidence:
+        search["raptor_evidence"] = [[chunk, score] for chunk, score in hit.evidence]
     metadata: dict[str, Any] = dict(node.metadata)
     metadata.update(
-        score=hit.score,
         raptor_layer=node.layer,
         raptor_doc_id=node.doc_id,
         raptor_span=list(node.span) if node.span is not None else None,
         raptor_doc_ids=list(node.doc_ids),
         raptor_children=list(node.children),
-        raptor_strategy=hit.source,
-        raptor_path=list(hit.path),
     )
-    if hit.reason is not None:
-        metadata["raptor_reason"] = hit.reason
-    if hit.evidence:
-        metadata["raptor_evidence"] = [[chunk, score] for chunk, score in hit.evidence]
     if hit.leaves:
         metadata["raptor_leaves"] = list(hit.leaves)
-    if not search_metadata:
-        for key in SEARCH_METADATA_KEYS:
-            metadata.pop(key, None)
+    if search_metadata:
+        metadata.update(search)
     return Document(page_content=node.text, metadata=metadata, id=node.id)
 
 

@@ -6,6 +6,7 @@ LangChain user can act on, and searching a store RAPTOR wrote with LangChain's o
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,11 @@ def test_hit_to_document_leaves_out_every_search_key() -> None:
     assert set(full) >= SEARCH_METADATA_KEYS
     bare = hit_to_document(hit, search_metadata=False).metadata
     assert set(full) - set(bare) == SEARCH_METADATA_KEYS
+    # A document's own key of the same name is the node's, not the search's: it stays.
+    own = dataclasses.replace(node, metadata={**node.metadata, "score": "five stars"})
+    kept = hit_to_document(dataclasses.replace(hit, node=own), search_metadata=False).metadata
+    assert kept["score"] == "five stars"
+    assert hit_to_document(dataclasses.replace(hit, node=own)).metadata["score"] == 0.5
 
 
 def test_multi_query_retriever_returns_each_node_once() -> None:
