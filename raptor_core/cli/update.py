@@ -147,10 +147,10 @@ def _check_same_files(tree: Any, docs: list[Any]) -> None:
     of replacing the first.
     """
     have = set(tree.doc_ids)
+    # New ids read from files (a record's id is not a path): the only ones either check is for.
+    new_files = [d for d in docs if d.doc_id not in have and d.metadata.get("source") == d.doc_id]
     known: dict[str, str] | None = None
-    for doc in docs:
-        if doc.doc_id in have or doc.metadata.get("source") != doc.doc_id:
-            continue  # a known id, or a record (its id is not a path)
+    for doc in new_files:
         if known is None:
             known = _file_documents(tree)
         same = known.get(os.path.realpath(doc.doc_id))
@@ -160,7 +160,7 @@ def _check_same_files(tree: Any, docs: list[Any]) -> None:
                 f"as {same} so that it is replaced, not added a second time"
             )
             raise InvalidInputError(msg)
-    _check_build_directory(tree, docs, have)
+    _check_build_directory(tree, new_files)
 
 
 def _relative_file_ids(tree: Any) -> list[str]:
@@ -174,7 +174,7 @@ def _relative_file_ids(tree: Any) -> list[str]:
     return list(ids)
 
 
-def _check_build_directory(tree: Any, docs: list[Any], have: set[str]) -> None:
+def _check_build_directory(tree: Any, given: list[Any]) -> None:
     """Refuse a file that looks like one of the tree's, run from another working directory.
 
     A relative id (``docs/a.txt``) is relative to the directory the tree was built from,
@@ -182,9 +182,8 @@ def _check_build_directory(tree: Any, docs: list[Any], have: set[str]) -> None:
     ``../proj/docs/a.txt`` is a new id: it would be added beside the old copy, which stays.
     When none of the tree's relative ids exists from here (so this is evidently not the
     directory they were written from), a given file with the name of one of them is
-    refused rather than guessed at.
+    refused rather than guessed at.  ``given``: the files whose ids the tree does not hold.
     """
-    given = [d for d in docs if d.doc_id not in have and d.metadata.get("source") == d.doc_id]
     if not given:
         return
     relative = _relative_file_ids(tree)
